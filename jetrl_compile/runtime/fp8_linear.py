@@ -1,0 +1,113 @@
+"""The recipe-driven linear op: ``y = x W^T + b`` with explicit forward and backward precisions.
+
+Why a traceable ``torch.autograd.Function`` and not a ``torch.library`` custom op: AOTAutograd
+traces straight through the Function's forward and backward, so the compiled graphs hold the
+quantize ops themselves (``amax``, ``log2``, the ``convert_element_type`` to ``float8_e4m3fn``)
+next to the ops that produce and consume the activations. Inductor then fuses the activation
+quantize into the kernel of the RMSNorm/SiLU before it and the dequantize into the loop feeding
+the matmul, and a reader of the dumped graphs sees exactly where FP8 happens. A custom op would be
+an opaque node (no fusion, no visible casts) unless it also registered a decomposition. The cost
+is that AOTAutogradCache does not cache graphs holding a Function; Inductor's FX graph cache does.
+
+Every GEMM runs from BF16 or FP8 copies, whatever the parameters' dtype (FP32 master weights
+included); results come back in the input's dtype and gradients in each input's dtype.
+
+Backward rules per GEMM precision:
+
+- BF16 dgrad/wgrad: straight-through. Quantization is the identity in the backward; ``dx = dy W``
+  and ``dW = dy^T x`` run in BF16 from the BF16 copies of x and W saved in the forward, exactly
+  what a BF16 ``F.linear`` computes.
+- FP8 dgrad: ``dy`` in 1 x 128 groups along N times the forward's own 128 x 128 weight blocks
+  (transposed; the blocks are symmetric). FP8 wgrad: ``dy^T`` and ``x^T`` in groups of 128 along
+  the token dim. The gradients handed to other ops stay BF16 (the paper: quantizing them kills
+  convergence).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..recipes import DEFAULT_RECIPE, Recipe, get_recipe
+from .kernels import fp8_gemm
+from .quantize import Quantized, quantize_blockwise, quantize_groupwise
+
+BF16 = torch.bfloat16
+
+
+class _RecipeLinear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, weight_q, weight_s, fprop: str, dgrad: str, wgrad: str):
+        x2 = x.reshape(-1, x.shape[-1]).to(BF16)
+        b = bias.to(BF16) if bias is not None else None
+        if fprop == "fp8":
+            y = fp8_gemm(quantize_groupwise(x2), Quantized(weight_q, weight_s), b)
+        else:
+            y = F.linear(x2, weight.to(BF16), b)
+        ctx.save_for_backward(x2, weight, weight_q, weight_s)
+        ctx.dgrad, ctx.wgrad = dgrad, wgrad
+        ctx.x_shape, ctx.x_dtype = x.shape, x.dtype
+        ctx.bias_dtype = None if bias is None else bias.dtype
+        return y.to(x.dtype).reshape(*x.shape[:-1], weight.shape[0])
+
+    @staticmethod
+    def backward(ctx, dy):
+        x2, weight, weight_q, weight_s = ctx.saved_tensors
+        dy2 = dy.reshape(-1, dy.shape[-1]).to(BF16)
+        dx = dw = db = None
+        if ctx.needs_input_grad[0]:
+            if ctx.dgrad == "fp8":
+                dx = fp8_gemm(quantize_groupwise(dy2), Quantized(weight_q.t(), weight_s.t()))
+            else:
+                dx = dy2.mm(weight.to(BF16))
+            dx = dx.to(ctx.x_dtype).reshape(ctx.x_shape)
+        if ctx.needs_input_grad[1]:
+            if ctx.wgrad == "fp8":
+                dw = fp8_gemm(quantize_groupwise(dy2.t()), quantize_groupwise(x2.t()))
+            else:
+                dw = dy2.t().mm(x2)
+            dw = dw.to(weight.dtype)
+        if ctx.bias_dtype is not None and ctx.needs_input_grad[2]:
+            db = dy.reshape(-1, dy.shape[-1]).float().sum(0).to(ctx.bias_dtype)
+        return dx, dw, db, None, None, None, None, None
+
+
+def linear_with_quantized_weight(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    weight_q: torch.Tensor | None,
+    weight_s: torch.Tensor | None,
+    *,
+    fprop: str,
+    dgrad: str,
+    wgrad: str,
+) -> torch.Tensor:
+    """The op the compiler pass inserts: ``weight_q``/``weight_s`` are the cached 128 x 128
+    quantization of ``weight`` (None when no GEMM of the recipe is FP8); gradients flow to
+    ``weight``, the master parameter. Precisions are plain strings so graphs print and cache."""
+    return _RecipeLinear.apply(x, weight, bias, weight_q, weight_s, fprop, dgrad, wgrad)
+
+
+def fp8_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    recipe: str | Recipe = DEFAULT_RECIPE,
+    weight_quantized: Quantized | None = None,
+) -> torch.Tensor:
+    """``y = x W^T + b`` with the GEMM precisions and backward rules of ``recipe``.
+
+    The weight is quantized here (128 x 128 blocks, from its own dtype) unless its quantization
+    is passed in, as the weight cache of ``unify`` does. Works eagerly and under torch.compile.
+    """
+    r = get_recipe(recipe)
+    if x.shape[-1] != weight.shape[-1]:
+        raise ValueError(f"fp8_linear: x has {x.shape[-1]} features but weight {tuple(weight.shape)} expects {weight.shape[-1]}")
+    needs_q = r.fprop.is_fp8 or r.dgrad.is_fp8
+    if needs_q and weight_quantized is None:
+        weight_quantized = quantize_blockwise(weight.detach())
+    q, s = weight_quantized if needs_q else (None, None)
+    return linear_with_quantized_weight(
+        x, weight, bias, q, s, fprop=r.fprop.dtype, dgrad=r.dgrad.dtype, wgrad=r.wgrad.dtype
+    )

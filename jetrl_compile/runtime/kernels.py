@@ -1,0 +1,75 @@
+"""FP8 GEMM kernels, chosen by device. The numerics contract is the same on every path.
+
+``fp8_gemm(a, b)`` returns ``bf16(deq(a) @ deq(b)^T)`` with float32 accumulation, where ``a`` is an
+``(M, K)`` payload in 1 x 128 groups along K and ``b`` an ``(N, K)`` payload in 128 x 128 blocks or
+1 x 128 groups along K (see ``quantize.dequantize``).
+
+- **Emulation** (CPU, and any device without FP8 tensor cores): dequantize both operands to BF16
+  (exact, because scales are powers of two) and run one BF16 matmul with float32 accumulation.
+  Under torch.compile, Inductor fuses the dequantize into the loops that feed the matmul. This
+  is not ``torch._scaled_mm``: on CPU that is a scalar reference loop, about 10,000x slower.
+- **CUDA sm90+** with ``torch.nn.functional.scaled_mm`` (cuBLAS blockwise 1x128 / 128x128 scaling):
+  a real FP8 tensor-core GEMM, for the fprop/dgrad layout (``b`` blockwise) when K and N are
+  multiples of 128. Off unless ``JETRL_FP8_KERNEL=scaled_mm`` until it has been checked against
+  the emulation on an H200 (``bench/gpu.sh``); other shapes and devices use the emulation.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import torch.nn.functional as F
+
+from .quantize import GROUP, Quantized, block_scale_shape, dequantize
+
+
+def fp8_gemm(a: Quantized, b: Quantized, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``bf16(deq(a) @ deq(b)^T + bias)``, the GEMM definition of DESIGN.md section 4.
+
+    ``bias`` (BF16) is added to the float32 accumulator before the one rounding to BF16.
+    """
+    if _use_cuda_blockwise(a, b):
+        y = _scaled_mm_blockwise(a, b)
+        return y if bias is None else y + bias
+    return F.linear(dequantize(*a), dequantize(*b), bias)
+
+
+def kernel_name(device: torch.device | str) -> str:
+    """Which kernel ``fp8_gemm`` uses for fprop-layout operands on ``device`` (for reports)."""
+    device = torch.device(device)
+    if device.type == "cuda" and _cuda_blockwise_enabled(device.index or 0):
+        return "cuda-scaled_mm-blockwise"
+    return "emulated (dequantize + bf16 matmul)"
+
+
+@functools.cache
+def _cuda_blockwise_enabled(device_index: int) -> bool:
+    if os.environ.get("JETRL_FP8_KERNEL") != "scaled_mm" or not torch.cuda.is_available():
+        return False
+    return torch.cuda.get_device_capability(device_index) >= (9, 0) and hasattr(F, "scaled_mm")
+
+
+def _use_cuda_blockwise(a: Quantized, b: Quantized) -> bool:
+    if a.data.device.type != "cuda" or not _cuda_blockwise_enabled(a.data.device.index or 0):
+        return False
+    (m, k), (n, _) = a.data.shape, b.data.shape
+    blockwise_b = tuple(b.scale.shape) == block_scale_shape(b.data.shape)
+    return blockwise_b and k % GROUP == 0 and n % GROUP == 0
+
+
+def _scaled_mm_blockwise(a: Quantized, b: Quantized) -> torch.Tensor:
+    from torch.nn.functional import ScalingType
+
+    # cuBLAS wants the second operand column-major (b^T of a row-major (N, K) payload) and the
+    # 1x128 activation scales outer-dim-major.
+    return F.scaled_mm(
+        a.data,
+        b.data.t(),
+        a.scale.t().contiguous().t(),
+        ScalingType.BlockWise1x128,
+        b.scale,
+        ScalingType.BlockWise128x128,
+        output_dtype=torch.bfloat16,
+    )

@@ -1,0 +1,174 @@
+"""The one FP8 quantizer (DESIGN.md section 4). Trainer, exporter and rollout engine all call it.
+
+- Format: ``torch.float8_e4m3fn``, largest finite value 448, saturating cast.
+- Scale of a group: ``s = 2 ** ceil(log2(amax / 448))``, the smallest power of two with
+  ``amax <= 448 * s`` (UE8M0-style); ``amax == 0`` gives ``s = 1``. Scales are float32.
+- Payload ``q = e4m3(x / s)``; dequantized value ``q * s``. Since ``s`` is a power of two, the
+  division is exact and ``q * s`` is exactly representable in BF16: an FP8 GEMM can be emulated
+  exactly by a BF16 matmul over dequantized operands.
+- Weights: 128 x 128 blocks; activations: 1 x 128 groups along the last dim. A dimension that is
+  not a multiple of 128 ends in a partial group; scales have ``ceil(n / 128)`` entries along it.
+- Non-finite input is never laundered into finite numbers: a group holding NaN or inf gets a
+  non-finite scale, so every element of that group dequantizes to NaN, and the NaN reaches the
+  loss (the GRPO loop then refuses the step). ``JETRL_CHECK_FINITE=1`` makes eager calls raise
+  instead, naming the tensor.
+- Scales are clamped to ``[2**-126, 2**127]`` so they stay normal float32 numbers; a group whose
+  amax is below ``448 * 2**-126`` (about 5e-36) underflows to zeros and FP8 subnormals.
+
+Everything here is our own code, not torchao's: torchao's float8 scaling casts with a free float32
+scale (``amax_to_scale``) and its power-of-two option rounds that scale after computing it in a
+way that does not promise the group never saturates. Our rule is exact by construction (see
+``_power_of_two_scale``). torchao's blockwise training kernels use the same 1x128 / 128x128
+layout, so payloads and scales from here are laid out the way those kernels and vLLM's
+``weight_scale_inv`` expect.
+
+Implementation note (Inductor CPU pitfall, DESIGN.md 5b): padding to a multiple of 128 with
+``F.pad``, reducing per group and slicing back compiled to a loop that wrote only the first block.
+So full groups and the partial tail group are handled as two separate tensors and joined with
+``torch.cat``; tests check partial groups compiled as well as eager.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import NamedTuple
+
+import torch
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
+GROUP = 128
+_MIN_EXP, _MAX_EXP = -126, 127
+
+
+class Quantized(NamedTuple):
+    """An FP8 payload and its float32 power-of-two scales (one per group or block)."""
+
+    data: torch.Tensor  # float8_e4m3fn, same shape as the input
+    scale: torch.Tensor  # float32, ceil(n / 128) per grouped dimension
+
+
+def _split_last(x: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(full groups as ``(..., n_full, 128)``, partial tail as ``(..., 1, tail)``) of the last dim."""
+    n = x.shape[-1]
+    n_full = n // GROUP * GROUP
+    full = x[..., :n_full].unflatten(-1, (n_full // GROUP, GROUP)) if n_full else None
+    tail = x[..., n_full:].unsqueeze(-2) if n_full < n else None
+    return full, tail
+
+
+def _group_amax_last(x: torch.Tensor) -> torch.Tensor:
+    """Max of |x| over each group of 128 along the last dim: shape ``(..., ceil(n / 128))``."""
+    parts = [p.abs().amax(dim=-1) for p in _split_last(x) if p is not None]
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
+
+
+def _expand_last(s: torch.Tensor, n: int) -> torch.Tensor:
+    """Repeat each per-group value of ``s`` (..., ceil(n/128)) over its group: shape ``(..., n)``."""
+    n_full_groups = n // GROUP
+    parts = []
+    if n_full_groups:
+        full = s[..., :n_full_groups].unsqueeze(-1)
+        parts.append(full.expand(*full.shape[:-1], GROUP).flatten(-2))
+    if n_full_groups * GROUP < n:
+        tail = s[..., n_full_groups:]
+        parts.append(tail.expand(*tail.shape[:-1], n - n_full_groups * GROUP))
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
+
+
+def _power_of_two_scale(amax: torch.Tensor) -> torch.Tensor:
+    """``2 ** ceil(log2(amax / 448))`` as float32, exact; 1 where amax is 0; NaN/inf propagate.
+
+    ``log2`` of the rounded quotient can land one power off when ``amax / 448`` rounds onto a power
+    of two; one comparison against the exact product ``448 * s`` fixes that in either direction.
+    """
+    amax = amax.float()
+    exponent = torch.ceil(torch.log2(amax / FP8_MAX)).clamp(_MIN_EXP, _MAX_EXP)
+    s = torch.exp2(exponent)
+    s = torch.where(amax > FP8_MAX * s, s * 2, s)  # rounded down onto a power of two
+    s = torch.where((amax <= FP8_MAX * s / 2) & (s > 2.0**_MIN_EXP), s / 2, s)  # rounded up
+    s = torch.where(amax == 0, torch.ones_like(s), s)
+    # A non-finite amax becomes the scale itself (NaN or inf), so the group cannot turn finite:
+    # x / inf and inf / inf give 0 and NaN payloads, and q * inf dequantizes every element to NaN.
+    return torch.where(torch.isfinite(amax), s, amax)
+
+
+def _cast_saturated(x: torch.Tensor) -> torch.Tensor:
+    """Round to e4m3 with saturation at +-448 (NaN stays NaN)."""
+    return x.clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+
+
+def _check_finite(x: torch.Tensor, what: str) -> None:
+    if os.environ.get("JETRL_CHECK_FINITE") == "1" and not torch.compiler.is_compiling():
+        if not torch.isfinite(x).all():
+            bad = (~torch.isfinite(x)).sum().item()
+            raise FloatingPointError(
+                f"{what}: {bad} non-finite value(s) in a tensor of shape {tuple(x.shape)} being "
+                "quantized to FP8 (JETRL_CHECK_FINITE=1). Look for a diverged step or a bad input."
+            )
+
+
+def quantize_groupwise(x: torch.Tensor) -> Quantized:
+    """FP8 payload and scales of ``x`` in 1 x 128 groups along its last dim (activations).
+
+    ``scale`` has shape ``(*x.shape[:-1], ceil(K / 128))``.
+    """
+    _check_finite(x, "quantize_groupwise")
+    scale = _power_of_two_scale(_group_amax_last(x))
+    data = _cast_saturated(x.float() / _expand_last(scale, x.shape[-1]))
+    return Quantized(data, scale)
+
+
+def quantize_blockwise(w: torch.Tensor) -> Quantized:
+    """FP8 payload and scales of a 2-D weight ``(N, K)`` in 128 x 128 blocks.
+
+    ``scale`` has shape ``(ceil(N / 128), ceil(K / 128))``. The blocks are symmetric, so the
+    quantization of ``W^T`` is the transpose of this one (the FP8 dgrad GEMM relies on it).
+    """
+    if w.dim() != 2:
+        raise ValueError(f"quantize_blockwise takes a 2-D weight (N, K); got shape {tuple(w.shape)}")
+    _check_finite(w, "quantize_blockwise")
+    row_group_amax = _group_amax_last(w)  # (N, ceil(K/128))
+    block_amax = _group_amax_last(row_group_amax.t()).t()  # (ceil(N/128), ceil(K/128))
+    scale = _power_of_two_scale(block_amax)
+    data = _cast_saturated(w.float() / expand_block_scale(scale, w.shape))
+    return Quantized(data, scale)
+
+
+def expand_block_scale(scale: torch.Tensor, shape: torch.Size | tuple[int, int]) -> torch.Tensor:
+    """Per-element view of 128 x 128 block scales for a weight of ``shape`` (N, K)."""
+    n, k = shape
+    return _expand_last(_expand_last(scale, k).t(), n).t()
+
+
+def dequantize(data: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """``q * s`` in ``dtype`` (exact in BF16 and FP32), for either layout.
+
+    The layout is read off the scale's shape: ``(..., ceil(K/128))`` for 1 x 128 groups,
+    ``(ceil(N/128), ceil(K/128))`` for 128 x 128 blocks of a 2-D ``(N, K)`` payload. A 2-D payload
+    whose scale has one row per payload row is groupwise.
+    """
+    if data.dtype != FP8_DTYPE:
+        raise TypeError(f"dequantize takes a float8_e4m3fn payload; got {data.dtype}")
+    if scale.shape[:-1] == data.shape[:-1]:
+        full_scale = _expand_last(scale, data.shape[-1])
+    elif data.dim() == 2 and scale.dim() == 2 and scale.shape == block_scale_shape(data.shape):
+        full_scale = expand_block_scale(scale, data.shape)
+    else:
+        raise ValueError(
+            f"scale of shape {tuple(scale.shape)} fits neither 1x128 groups nor 128x128 blocks of a "
+            f"payload of shape {tuple(data.shape)}"
+        )
+    # Multiply in float32: exact for powers of two, then one exact rounding into dtype.
+    return (data.float() * full_scale).to(dtype)
+
+
+def block_scale_shape(shape: torch.Size | tuple[int, int]) -> tuple[int, int]:
+    """Shape of the 128 x 128 block scales of an (N, K) weight."""
+    n, k = shape
+    return (-(-n // GROUP), -(-k // GROUP))
+
+
+def group_scale_shape(shape: torch.Size | tuple[int, ...]) -> tuple[int, ...]:
+    """Shape of the 1 x 128 group scales of an activation of ``shape``."""
+    return (*shape[:-1], -(-shape[-1] // GROUP))

@@ -1,0 +1,54 @@
+"""Quantized weights, made once per optimizer step and shared by the trainer and the exporter.
+
+Each entry is keyed by the parameter and stamped with its version counter (bumped by every
+in-place update: optimizer steps, ``load_state_dict``, ``copy_``), its storage and its dtype. A
+lookup whose stamp no longer matches re-quantizes; otherwise every micro-batch, every compiled
+graph and the vLLM exporter get the same (payload, scale) tensors, so rollout sees the bytes
+training used.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+
+import torch
+
+from .quantize import Quantized, quantize_blockwise
+
+
+@dataclass
+class _Entry:
+    param: weakref.ref
+    stamp: tuple
+    quantized: Quantized
+
+
+def _stamp(param: torch.Tensor) -> tuple:
+    return (param._version, param.data_ptr(), param.dtype, param.device, tuple(param.shape))
+
+
+class WeightCache:
+    """FP8 128 x 128 block quantizations of parameters, refreshed when a parameter changes."""
+
+    def __init__(self):
+        self._entries: dict[int, _Entry] = {}
+        self.quantizations = 0  # how many times a weight was (re)quantized: for tests and logs
+
+    def get(self, param: torch.Tensor) -> Quantized:
+        """The current quantization of ``param`` (re-quantized only if it changed)."""
+        entry = self._entries.get(id(param))
+        stamp = _stamp(param)
+        if entry is None or entry.param() is not param or entry.stamp != stamp:
+            with torch.no_grad():
+                quantized = quantize_blockwise(param.detach())
+            entry = _Entry(weakref.ref(param), stamp, quantized)
+            self._entries[id(param)] = entry
+            self.quantizations += 1
+        return entry.quantized
+
+    def clear(self) -> None:
+        self._entries.clear()
+
+    def __len__(self) -> int:
+        return len(self._entries)

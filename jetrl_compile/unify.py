@@ -1,0 +1,279 @@
+"""``unify(model, recipe)``: compile a causal LM so that its linear GEMMs follow one precision recipe.
+
+The model object stays the same (parameters, ``state_dict`` keys, ``generate``, ``save_pretrained``);
+its ``__call__`` goes through ``torch.compile`` with our backend:
+
+1. Dynamo captures the graph; parameters arrive as placeholders, matched to modules by identity.
+2. ``passes.rewrite_linears`` swaps every eligible ``nn.Linear`` GEMM for the recipe-driven op and
+   adds two inputs per weight, its FP8 payload and block scales.
+3. Those inputs come from the ``WeightCache``: quantized once per parameter version, so once per
+   optimizer step, and the same tensors the vLLM exporter reads.
+4. ``compile_fx`` runs AOTAutograd and Inductor; a wrapper around Inductor's inner compile reads
+   the precision of every GEMM off the forward and backward graphs (and dumps them under
+   ``JETRL_DUMP=1``).
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn as nn
+from torch._inductor.compile_fx import compile_fx, compile_fx_inner
+
+from .passes import dump
+from .passes.precision_report import GemmRecord, classify_backward, gemms_in_graph, graph_has_fp8
+from .passes.rewrite_linears import ParamInfo, RewriteResult, rewrite_linears
+from .recipes import DEFAULT_RECIPE, Recipe, get_recipe
+from .runtime.fp8_linear import linear_with_quantized_weight
+from .runtime.weight_cache import WeightCache
+
+log = logging.getLogger("jetrl_compile")
+_STATE_ATTR = "_jetrl_state"
+MODES = ("compile", "eager")
+
+
+@dataclass
+class GraphRecord:
+    """What was compiled for one Dynamo graph, and the precisions read off it."""
+
+    graph_id: int
+    rewrite: RewriteResult
+    forward: list[GemmRecord] | None = None
+    backward: list[GemmRecord] | None = None
+    forward_has_fp8: bool | None = None
+    backward_has_fp8: bool | None = None
+
+    def report(self, recipe: Recipe) -> dict:
+        weight_shapes = {s.module: s.shape for s in self.rewrite.sites}
+        fprop = {r.module: r.precision for r in self.forward or [] if r.module in weight_shapes}
+        bwd = classify_backward(self.backward or [], weight_shapes)
+        linears = [
+            {
+                "module": module,
+                "shape": list(shape),
+                "fprop": fprop.get(module, "?"),
+                "dgrad": bwd.get(module, {}).get("dgrad"),
+                "wgrad": bwd.get(module, {}).get("wgrad"),
+            }
+            for module, shape in weight_shapes.items()
+        ]
+        return {
+            "graph": self.graph_id,
+            "recipe": recipe.name,
+            "summary": self.rewrite.summary(),
+            "forward_compiled": self.forward is not None,
+            "backward_compiled": self.backward is not None,
+            "linears": linears,
+            "skipped": [{"module": s.module, "shape": list(s.shape), "reason": s.reason} for s in self.rewrite.skipped],
+        }
+
+
+@dataclass
+class UnifiedState:
+    recipe: Recipe
+    mode: str
+    cache: WeightCache = field(default_factory=WeightCache)
+    graphs: list[GraphRecord] = field(default_factory=list)
+    patched: list[nn.Module] = field(default_factory=list)
+
+    @property
+    def compiles(self) -> int:
+        """How many graphs Dynamo handed to the backend (a recompile adds one)."""
+        return len(self.graphs)
+
+
+def unify(
+    model: nn.Module,
+    recipe: str | Recipe = DEFAULT_RECIPE,
+    *,
+    skip: tuple[str, ...] | str = (),
+    include_lm_head: bool = False,
+    dynamic: bool | None = None,
+    fullgraph: bool = False,
+    mode: str = "compile",
+) -> nn.Module:
+    """Make ``model``'s linear GEMMs follow ``recipe``; returns the same model object.
+
+    - ``skip``: module-name patterns (fnmatch, e.g. ``"*.layers.0.*"``) to leave unquantized.
+    - ``include_lm_head``: quantize ``lm_head`` too (off by default: logprobs are what RL optimises).
+    - ``dynamic``: ``True`` compiles for variable sequence lengths from the first call (no
+      recompile per length); ``None`` lets Dynamo decide after the first new shape.
+    - ``mode="eager"``: no compile; each eligible ``nn.Linear`` calls the same op eagerly (slow;
+      for debugging). ``restore(model)`` undoes either mode.
+    """
+    r = get_recipe(recipe).with_options(include_lm_head=include_lm_head, skip=skip)
+    _check_model(model)
+    if mode not in MODES:
+        raise ValueError(f"unify mode {mode!r} is unknown; choose one of {', '.join(MODES)}")
+    state = UnifiedState(recipe=r, mode=mode)
+    if mode == "compile":
+        model.compile(backend=JetrlBackend(model, state), dynamic=dynamic, fullgraph=fullgraph)
+    else:
+        _patch_linears_eager(model, state)
+    setattr(model, _STATE_ATTR, state)
+    _ensure_log_handler()
+    return model
+
+
+def restore(model: nn.Module) -> nn.Module:
+    """Undo ``unify``: the model runs its original eager forward again."""
+    state = unified_state(model)
+    model._compiled_call_impl = None
+    for module in state.patched:
+        del module.forward
+    state.cache.clear()
+    delattr(model, _STATE_ATTR)
+    return model
+
+
+def unified_state(model: nn.Module) -> UnifiedState:
+    """The recipe, weight cache and compiled-graph records of a unified model."""
+    state = getattr(model, _STATE_ATTR, None)
+    if state is None:
+        raise ValueError(f"{type(model).__name__} is not unified; call jetrl_compile.unify(model, recipe) first")
+    return state
+
+
+def precision_report(model: nn.Module) -> list[dict]:
+    """One report per compiled graph (see ``passes.dump`` for the format)."""
+    state = unified_state(model)
+    return [g.report(state.recipe) for g in state.graphs]
+
+
+def _check_model(model) -> None:
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"unify takes a torch.nn.Module (a HuggingFace causal LM); got {type(model).__name__}")
+    if hasattr(model, _STATE_ATTR):
+        prev = getattr(model, _STATE_ATTR).recipe.name
+        raise RuntimeError(
+            f"this {type(model).__name__} is already unified (recipe {prev!r}); "
+            "call jetrl_compile.restore(model) before unifying it again"
+        )
+    if getattr(model, "_compiled_call_impl", None) is not None:
+        raise RuntimeError(f"this {type(model).__name__} is already torch.compile'd; unify compiles it itself: pass the uncompiled model")
+    linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
+    if not linears:
+        raise ValueError(
+            f"unify found no nn.Linear in {type(model).__name__}: it rewrites the linear GEMMs of "
+            "transformer LMs (Llama, Qwen2/3, Mistral, ...); this model has none to rewrite"
+        )
+    for name, p in model.named_parameters():
+        if p.is_meta:
+            raise ValueError(f"parameter {name} is on the meta device; load real weights before unify")
+        if not p.is_floating_point() or p.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+            raise ValueError(f"parameter {name} has dtype {p.dtype}; unify needs a floating-point (FP32/BF16) model, not an already-quantized one")
+
+
+def _ensure_log_handler() -> None:
+    if not log.handlers and not logging.getLogger().handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("[jetrl_compile] %(message)s"))
+        log.addHandler(handler)
+        log.setLevel(logging.INFO)
+
+
+def _param_table(model: nn.Module) -> dict[int, ParamInfo]:
+    """``id(param) -> ParamInfo``; a tied parameter is attributed to the ``nn.Linear`` that uses it."""
+    table: dict[int, ParamInfo] = {}
+    for mod_name, module in model.named_modules(remove_duplicate=False):
+        for attr, p in module.named_parameters(recurse=False):
+            is_linear_weight = isinstance(module, nn.Linear) and attr == "weight"
+            if id(p) in table and not is_linear_weight:
+                continue
+            name = f"{mod_name}.{attr}" if mod_name else attr
+            table[id(p)] = ParamInfo(name, mod_name, is_linear_weight, tuple(p.shape))
+    return table
+
+
+class JetrlBackend:
+    """The torch.compile backend of ``unify``: pass, weight-cache plumbing, Inductor."""
+
+    def __init__(self, model: nn.Module, state: UnifiedState):
+        self.model, self.state = model, state
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs):
+        state, recipe = self.state, self.state.recipe
+        record = GraphRecord(graph_id=len(state.graphs), rewrite=RewriteResult())
+        state.graphs.append(record)
+        table = _param_table(self.model)
+        placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        params = {n.name: table[id(x)] for n, x in zip(placeholders, example_inputs) if id(x) in table}
+
+        if dump.dump_enabled():
+            dump.write_graph(record.graph_id, "dynamo_before", gm)
+        gm = _detached_copy(gm)
+        record.rewrite = rewrite_linears(gm, params, recipe)
+        log.info("graph %d (%s): %s", record.graph_id, recipe.name, record.rewrite.summary())
+        if dump.dump_enabled():
+            dump.write_graph(record.graph_id, "dynamo_after", gm)
+
+        weight_inputs = [s.weight_input for s in record.rewrite.rewritten if s.quant_inputs is not None]
+        cache = state.cache
+
+        def quantized_inputs(args) -> list[torch.Tensor]:
+            extra = []
+            for i in weight_inputs:
+                extra.extend(cache.get(args[i]))
+            return extra
+
+        def inner_compile(aot_gm, aot_inputs, **kwargs):
+            self._read_precisions(record, aot_gm, kwargs)
+            return compile_fx_inner(aot_gm, aot_inputs, **kwargs)
+
+        compiled = compile_fx(gm, [*example_inputs, *quantized_inputs(example_inputs)], inner_compile=inner_compile)
+        if not weight_inputs:
+            return compiled
+
+        def run(*args):  # Dynamo calls a backend's result with positional args
+            return compiled(*args, *quantized_inputs(args))
+
+        return run
+
+    def _read_precisions(self, record: GraphRecord, aot_gm, kwargs) -> None:
+        backward = bool(kwargs.get("is_backward"))
+        inference = bool(kwargs.get("is_inference"))
+        gemms = gemms_in_graph(aot_gm, "backward" if backward else "forward")
+        if backward:
+            record.backward, record.backward_has_fp8 = gemms, graph_has_fp8(aot_gm)
+        else:
+            record.forward, record.forward_has_fp8 = gemms, graph_has_fp8(aot_gm)
+        if dump.dump_enabled():
+            name = "aot_backward" if backward else ("aot_forward_inference" if inference else "aot_forward")
+            dump.write_graph(record.graph_id, name, aot_gm)
+            dump.write_report(record.graph_id, record.report(self.state.recipe))
+
+
+def _detached_copy(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """A copy of a Dynamo graph module that the pass may change: Dynamo keeps reading the
+    original's placeholders after the backend returns. Carries the Dynamo metadata AOTAutograd
+    reads (``meta``, ``_param_name_to_source``, each placeholder's ``_dynamo_source``)."""
+    new = torch.fx.GraphModule(gm, copy.deepcopy(gm.graph))
+    new.meta = dict(gm.meta)
+    if hasattr(gm, "_param_name_to_source"):
+        new._param_name_to_source = gm._param_name_to_source
+    for old, node in zip(gm.graph.find_nodes(op="placeholder"), new.graph.find_nodes(op="placeholder")):
+        if hasattr(old, "_dynamo_source"):
+            node._dynamo_source = old._dynamo_source
+    return new
+
+
+def _patch_linears_eager(model: nn.Module, state: UnifiedState) -> None:
+    """``mode="eager"``: each eligible nn.Linear calls the recipe op directly, no compile."""
+    recipe = state.recipe
+    needs_q = recipe.fprop.is_fp8 or recipe.dgrad.is_fp8
+    for name, module in model.named_modules():
+        if not isinstance(module, nn.Linear) or recipe.skip_reason(name) is not None:
+            continue
+
+        def forward(x, module=module):
+            q, s = state.cache.get(module.weight) if needs_q else (None, None)
+            return linear_with_quantized_weight(
+                x, module.weight, module.bias, q, s,
+                fprop=recipe.fprop.dtype, dgrad=recipe.dgrad.dtype, wgrad=recipe.wgrad.dtype,
+            )
+
+        module.forward = forward
+        state.patched.append(module)
