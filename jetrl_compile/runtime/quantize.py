@@ -86,15 +86,16 @@ def _power_of_two_scale(amax: torch.Tensor) -> torch.Tensor:
     exponent = torch.ceil(torch.log2(amax / FP8_MAX)).clamp(_MIN_EXP, _MAX_EXP)
     s = torch.exp2(exponent)
     s = torch.where(amax > FP8_MAX * s, s * 2, s)  # rounded down onto a power of two
-    s = torch.where((amax <= FP8_MAX * s / 2) & (s > 2.0**_MIN_EXP), s / 2, s)  # rounded up
+    s = torch.where((amax <= FP8_MAX * (s / 2)) & (s > 2.0**_MIN_EXP), s / 2, s)  # rounded up
     s = torch.where(amax == 0, torch.ones_like(s), s)
     # A non-finite amax becomes the scale itself (NaN or inf), so the group cannot turn finite:
     # x / inf and inf / inf give 0 and NaN payloads, and q * inf dequantizes every element to NaN.
     return torch.where(torch.isfinite(amax), s, amax)
 
 
-def _cast_saturated(x: torch.Tensor) -> torch.Tensor:
-    """Round to e4m3 with saturation at +-448 (NaN stays NaN)."""
+def cast_saturated(x: torch.Tensor) -> torch.Tensor:
+    """Round to e4m3 with saturation at +-448 (NaN stays NaN). The clamp is explicit so the
+    result does not depend on how each backend's cast treats out-of-range values."""
     return x.clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
 
 
@@ -115,7 +116,7 @@ def quantize_groupwise(x: torch.Tensor) -> Quantized:
     """
     _check_finite(x, "quantize_groupwise")
     scale = _power_of_two_scale(_group_amax_last(x))
-    data = _cast_saturated(x.float() / _expand_last(scale, x.shape[-1]))
+    data = cast_saturated(x.float() / _expand_last(scale, x.shape[-1]))
     return Quantized(data, scale)
 
 
@@ -130,8 +131,8 @@ def quantize_blockwise(w: torch.Tensor) -> Quantized:
     _check_finite(w, "quantize_blockwise")
     row_group_amax = _group_amax_last(w)  # (N, ceil(K/128))
     block_amax = _group_amax_last(row_group_amax.t()).t()  # (ceil(N/128), ceil(K/128))
-    scale = _power_of_two_scale(block_amax)
-    data = _cast_saturated(w.float() / expand_block_scale(scale, w.shape))
+    scale = _power_of_two_scale(block_amax).contiguous()
+    data = cast_saturated(w.float() / expand_block_scale(scale, w.shape))
     return Quantized(data, scale)
 
 

@@ -1,0 +1,42 @@
+import os
+
+import pytest
+import torch
+
+# Keep compiled-kernel caches inside the machine's temp dir, shared by every test of a run.
+os.environ.setdefault("TORCHINDUCTOR_FX_GRAPH_CACHE", "1")
+
+
+def tiny_config(family: str = "llama", layers: int = 1, **overrides):
+    """A tiny random causal-LM config. hidden 200 / intermediate 320 are not multiples of 128,
+    so every quantized GEMM has partial blocks."""
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+
+    common = dict(
+        vocab_size=256,
+        hidden_size=200,
+        intermediate_size=320,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+    )
+    common.update(overrides)
+    cls = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config, "mistral": MistralConfig}[family]
+    if family == "qwen3":
+        common.setdefault("head_dim", 50)
+    return cls(**common)
+
+
+def tiny_model(family: str = "llama", layers: int = 1, seed: int = 0, dtype=torch.float32, **overrides):
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(tiny_config(family, layers, **overrides))
+    return model.to(dtype)
+
+
+@pytest.fixture
+def make_model():
+    return tiny_model

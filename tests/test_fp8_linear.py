@@ -1,0 +1,138 @@
+"""The recipe-driven linear op: forward GEMM definition and backward rules per recipe."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from jetrl_compile.runtime import dequantize, fp8_linear, quantize_blockwise, quantize_groupwise
+from jetrl_compile.runtime.kernels import kernel_name
+
+BF16 = torch.bfloat16
+
+
+def _inputs(m=64, k=200, n=300, x_dtype=BF16, w_dtype=torch.float32, seed=0, bias=False):
+    torch.manual_seed(seed)
+    x = (torch.randn(m, k) * 2).to(x_dtype).requires_grad_()
+    w = (torch.randn(n, k) * 0.05).to(w_dtype).requires_grad_()
+    b = (torch.randn(n) * 0.1).to(w_dtype).requires_grad_() if bias else None
+    return x, w, b
+
+
+def test_cpu_kernel_is_the_exact_emulation():
+    assert kernel_name("cpu").startswith("emulated")
+
+
+def test_forward_matches_float64_gemm_definition_within_one_bf16_rounding():
+    x, w, _ = _inputs()
+    y = fp8_linear(x, w)
+    xd = dequantize(*quantize_groupwise(x.detach()), torch.float64)
+    wd = dequantize(*quantize_blockwise(w.detach()), torch.float64)
+    ref = xd @ wd.t()
+    # Tolerance: one rounding of the float32 sum to BF16 (relative 2**-8) plus float32 summation
+    # error, at most K * 2**-24 * sum_k |x_k w_k| for any summation order.
+    k = x.shape[1]
+    sum_abs = xd.abs() @ wd.abs().t()
+    tol = ref.abs() * 2.0**-8 + k * 2.0**-24 * sum_abs
+    assert y.dtype == BF16
+    assert torch.all((y.double() - ref).abs() <= tol)
+
+
+def test_forward_is_one_bf16_matmul_of_dequantized_operands():
+    x, w, b = _inputs(bias=True)
+    y = fp8_linear(x, w, b)
+    xd = dequantize(*quantize_groupwise(x.detach()))
+    wd = dequantize(*quantize_blockwise(w.detach()))
+    assert torch.equal(y, F.linear(xd, wd, b.detach().to(BF16)))
+
+
+def test_fp8_forward_differs_from_bf16_by_quantization_error():
+    x, w, _ = _inputs()
+    y8 = fp8_linear(x, w, recipe="fp8_fwd_bf16_bwd").float()
+    y16 = fp8_linear(x, w, recipe="bf16").float()
+    rel = (y8 - y16).norm() / y16.norm()
+    assert 1e-3 < rel < 0.08
+
+
+def _grads(fn, x, w, b, dy):
+    y = fn(x, w, b)
+    y.backward(dy)
+    out = (y.detach(), x.grad.clone(), w.grad.clone(), None if b is None else b.grad.clone())
+    for t in (x, w, b):
+        if t is not None:
+            t.grad = None
+    return out
+
+
+def _straight_through_bf16(x, w, b):
+    """The reference backward: a plain BF16 linear on BF16 copies (quantization = identity)."""
+    return F.linear(x.to(BF16), w.to(BF16), None if b is None else b.to(BF16))
+
+
+@pytest.mark.parametrize("w_dtype", [BF16, torch.float32])
+def test_fp8_fwd_bf16_bwd_backward_equals_bf16_straight_through_exactly(w_dtype):
+    x, w, b = _inputs(w_dtype=w_dtype, bias=True)
+    dy = torch.randn(64, 300).to(BF16)
+    _, dx, dw, db = _grads(lambda *a: fp8_linear(*a, recipe="fp8_fwd_bf16_bwd"), x, w, b, dy)
+    x_ref = x.detach().to(BF16).requires_grad_()
+    w_ref = w.detach().to(BF16).requires_grad_()
+    F.linear(x_ref, w_ref).backward(dy)
+    assert dx.dtype == x.dtype and dw.dtype == w_dtype and db.dtype == w_dtype
+    assert torch.equal(dx, x_ref.grad)
+    assert torch.equal(dw, w_ref.grad.to(w_dtype))
+    assert torch.allclose(db.float(), dy.float().sum(0), rtol=1e-2 if w_dtype == BF16 else 1e-6)
+
+
+def test_jetrl_backward_differs_from_straight_through_by_quantization_error():
+    x, w, _ = _inputs(m=256)
+    dy = torch.randn(256, 300).to(BF16)
+    _, dx8, dw8, _ = _grads(lambda *a: fp8_linear(*a, recipe="jetrl"), x, w, None, dy)
+    _, dx, dw, _ = _grads(lambda *a: fp8_linear(*a, recipe="fp8_fwd_bf16_bwd"), x, w, None, dy)
+    for fp8, ref in ((dx8, dx), (dw8, dw)):
+        rel = (fp8.float() - ref.float()).norm() / ref.float().norm()
+        assert 1e-3 < rel < 0.08, rel
+    assert dx8.dtype == BF16, "the gradient handed to the previous op stays BF16"
+
+
+def test_jetrl_dgrad_is_fp8_gemm_of_quantized_dy_and_forward_weight_blocks():
+    x, w, _ = _inputs(m=32)
+    dy = torch.randn(32, 300).to(BF16)
+    _, dx, dw, _ = _grads(lambda *a: fp8_linear(*a, recipe="jetrl"), x, w, None, dy)
+    wq, ws = quantize_blockwise(w.detach())
+    dy_d = dequantize(*quantize_groupwise(dy))
+    assert torch.equal(dx, dy_d @ dequantize(wq, ws))
+    dyt_d = dequantize(*quantize_groupwise(dy.t()))
+    xt_d = dequantize(*quantize_groupwise(x.detach().t()))
+    assert torch.equal(dw, (dyt_d @ xt_d.t()).float())
+
+
+@pytest.mark.parametrize("recipe", ["bf16", "fp8_fwd_bf16_bwd", "jetrl", "fp8_rollout_only"])
+@pytest.mark.parametrize("m,k,n", [(1, 5, 3), (7, 128, 129), (130, 300, 64), (3, 1, 1)])
+def test_gradients_finite_with_right_shapes_on_random_shapes(recipe, m, k, n):
+    torch.manual_seed(m * 1000 + k + n)
+    x = torch.randn(2, m, k, requires_grad=True)
+    w = torch.randn(n, k, requires_grad=True)
+    b = torch.randn(n, requires_grad=True)
+    y = fp8_linear(x, w, b, recipe=recipe)
+    assert y.shape == (2, m, n) and y.dtype == torch.float32
+    y.square().mean().backward()
+    for t in (x, w, b):
+        assert t.grad.shape == t.shape and t.grad.dtype == t.dtype and torch.isfinite(t.grad).all()
+
+
+def test_feature_mismatch_error_names_both_shapes():
+    with pytest.raises(ValueError, match=r"200 features but weight \(3, 5\)"):
+        fp8_linear(torch.randn(2, 200), torch.randn(3, 5))
+
+
+@pytest.mark.parametrize("recipe", ["fp8_fwd_bf16_bwd", "jetrl"])
+def test_compiled_fullgraph_forward_and_backward_equal_eager(recipe):
+    x, w, b = _inputs(m=48, bias=True)
+    dy = torch.randn(48, 300).to(BF16)
+
+    def fn(x, w, b):
+        return fp8_linear(x, w, b, recipe=recipe)
+
+    eager = _grads(fn, x, w, b, dy)
+    compiled = _grads(torch.compile(fn, fullgraph=True, dynamic=False), x, w, b, dy)
+    for e, c in zip(eager, compiled):
+        assert torch.equal(e, c)

@@ -1,0 +1,141 @@
+"""The one quantizer: DESIGN.md section 4, pinned element by element."""
+
+import math
+
+import pytest
+import torch
+
+from jetrl_compile.runtime import FP8_DTYPE, FP8_MAX, dequantize, quantize_blockwise, quantize_groupwise
+from jetrl_compile.runtime.quantize import cast_saturated, expand_block_scale
+
+SHAPES = [(576, 1536), (1536, 576), (192, 576), (200, 300), (129, 257), (128, 128), (1, 5)]
+
+
+def _e4m3_half_ulp(v: torch.Tensor) -> torch.Tensor:
+    """Half an E4M3 ulp at magnitude v (v = |x| / s <= 448): 3 mantissa bits, min normal 2**-6."""
+    exponent = torch.floor(torch.log2(v.clamp_min(2.0**-6)))
+    return torch.exp2(exponent - 4)
+
+
+def _assert_power_of_two(scale: torch.Tensor):
+    mantissa, _ = torch.frexp(scale)
+    assert scale.dtype == torch.float32
+    assert torch.all(mantissa == 0.5), "every scale is an exact power of two"
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_blockwise_round_trip_within_half_ulp_of_each_block_scale(shape):
+    torch.manual_seed(0)
+    w = torch.randn(shape) * torch.logspace(-3, 1, shape[1])  # columns of very different size
+    q, s = quantize_blockwise(w)
+    assert q.dtype == FP8_DTYPE and q.shape == w.shape
+    assert s.shape == (math.ceil(shape[0] / 128), math.ceil(shape[1] / 128))
+    _assert_power_of_two(s)
+    full_scale = expand_block_scale(s, shape)
+    err = (dequantize(q, s, torch.float32) - w).abs()
+    assert torch.all(err <= _e4m3_half_ulp(w.abs() / full_scale) * full_scale)
+
+
+@pytest.mark.parametrize("shape", [(4, 7, 200), (3, 576), (2, 1536), (5, 128), (1, 1)])
+def test_groupwise_round_trip_within_half_ulp_of_each_group_scale(shape):
+    torch.manual_seed(1)
+    x = (torch.randn(shape) * 5).to(torch.bfloat16)
+    q, s = quantize_groupwise(x)
+    assert q.shape == x.shape and s.shape == (*shape[:-1], math.ceil(shape[-1] / 128))
+    _assert_power_of_two(s)
+    deq = dequantize(q, s, torch.float32)
+    full_scale = deq.new_empty(shape)
+    for g in range(s.shape[-1]):
+        full_scale[..., g * 128 : (g + 1) * 128] = s[..., g : g + 1]
+    assert torch.all((deq - x.float()).abs() <= _e4m3_half_ulp(x.float().abs() / full_scale) * full_scale)
+
+
+def test_scale_is_the_smallest_power_of_two_covering_amax():
+    amax = torch.tensor([448.0, 448.0001, 1.0, 2.0**-20, 3e38, 224.0, 224.00002])
+    x = torch.zeros(len(amax), 128)
+    x[:, 3] = amax
+    _, s = quantize_groupwise(x)
+    s = s.squeeze(-1)
+    assert torch.all(amax <= FP8_MAX * s), "no group saturates"
+    assert torch.all(amax > FP8_MAX * (s / 2)), "and no smaller power of two would do"
+    assert s[0] == 1.0 and s[1] == 2.0 and s[5] == 0.5 and s[6] == 1.0
+
+
+def test_dequantized_values_are_exact_in_bf16():
+    torch.manual_seed(2)
+    w = torch.randn(300, 200)
+    q, s = quantize_blockwise(w)
+    as_fp32 = dequantize(q, s, torch.float32)
+    assert torch.equal(as_fp32, dequantize(q, s, torch.bfloat16).float())
+
+
+def test_zero_blocks_get_scale_one_and_zero_payload():
+    w = torch.zeros(200, 300)
+    w[150:, 250:] = 1.0  # only the last (partial) block is nonzero
+    q, s = quantize_blockwise(w)
+    assert s[0, 0] == 1.0 and s[0, 1] == 1.0 and s[1, 0] == 1.0
+    assert torch.equal(q[:128].float(), torch.zeros(128, 300))
+    assert torch.equal(dequantize(q, s, torch.float32), w)
+
+
+def test_values_beyond_448_saturate():
+    x = torch.tensor([1000.0, -1e6, 448.0, 465.0, -470.0, float("nan")])
+    out = cast_saturated(x).float()
+    assert torch.equal(out[:5], torch.tensor([448.0, -448.0, 448.0, 448.0, -448.0]))
+    assert torch.isnan(out[5]), "NaN is not saturated into a finite value"
+
+
+def test_blockwise_of_transpose_is_transpose_of_blockwise():
+    torch.manual_seed(3)
+    w = torch.randn(300, 200)
+    q, s = quantize_blockwise(w)
+    qt, st = quantize_blockwise(w.t())
+    assert torch.equal(qt.view(torch.uint8), q.t().view(torch.uint8)) and torch.equal(st, s.t())
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_non_finite_value_poisons_only_its_own_group(bad):
+    x = torch.randn(3, 300)
+    x[1, 140] = bad  # group 1 of row 1
+    deq = dequantize(*quantize_groupwise(x), torch.float32)
+    assert torch.isnan(deq[1, 128:256]).all(), "the whole group dequantizes to NaN"
+    assert torch.isfinite(deq[1, :128]).all() and torch.isfinite(deq[1, 256:]).all()
+    assert torch.isfinite(deq[0]).all() and torch.isfinite(deq[2]).all()
+
+    w = torch.randn(200, 300)
+    w[130, 10] = bad  # block (1, 0)
+    deq_w = dequantize(*quantize_blockwise(w), torch.float32)
+    assert torch.isnan(deq_w[128:, :128]).all()
+    assert torch.isfinite(deq_w[:128]).all() and torch.isfinite(deq_w[128:, 128:]).all()
+
+
+def test_check_finite_flag_raises_with_the_shape(monkeypatch):
+    monkeypatch.setenv("JETRL_CHECK_FINITE", "1")
+    x = torch.ones(2, 130)
+    x[0, 0] = float("nan")
+    with pytest.raises(FloatingPointError, match=r"shape \(2, 130\)"):
+        quantize_groupwise(x)
+
+
+def test_dequantize_rejects_mismatched_scale():
+    q, _ = quantize_blockwise(torch.randn(200, 300))
+    with pytest.raises(ValueError, match="fits neither"):
+        dequantize(q, torch.ones(5, 5))
+
+
+def test_partial_blocks_compiled_equal_eager():
+    """DESIGN.md 5b: a padded formulation compiled to a loop that skipped the tail columns."""
+    torch.manual_seed(4)
+    x = torch.randn(6, 200, dtype=torch.bfloat16) * 3
+    w = torch.randn(200, 300)
+
+    def both(x, w):
+        return (*quantize_groupwise(x), *quantize_blockwise(w))
+
+    eager = both(x, w)
+    compiled = torch.compile(both, fullgraph=True, dynamic=False)(x, w)
+    for e, c in zip(eager, compiled):
+        assert e.dtype == c.dtype and e.shape == c.shape
+        if e.dtype == FP8_DTYPE:
+            e, c = e.view(torch.uint8), c.view(torch.uint8)
+        assert torch.equal(e, c)
