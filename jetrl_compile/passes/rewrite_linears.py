@@ -17,6 +17,7 @@ used by a GEMM the pass cannot prove eligible is left untouched and reported wit
 from __future__ import annotations
 
 import hashlib
+import importlib
 import operator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -209,10 +210,8 @@ class Fp8LinearPass(CustomGraphModulePass):
 
 
 def pass_uuid(recipe: Recipe) -> str:
-    from ..runtime import fp8_linear, kernels, quantize
-
     h = hashlib.sha256()
-    for mod in (__file__, fp8_linear.__file__, kernels.__file__, quantize.__file__):
-        h.update(Path(mod).read_bytes())
+    for name in ("passes.rewrite_linears", "runtime.fp8_linear", "runtime.kernels", "runtime.quantize"):
+        h.update(Path(importlib.import_module(f"jetrl_compile.{name}").__file__).read_bytes())
     h.update(repr(recipe).encode())
     return h.hexdigest()
