@@ -33,6 +33,7 @@ from .runtime.weight_cache import WeightCache
 log = logging.getLogger("jetrl_compile")
 _STATE_ATTR = "_jetrl_state"
 MODES = ("compile", "eager")
+COMPILERS = ("inductor", "aot_eager")
 
 
 @dataclass
@@ -41,6 +42,7 @@ class GraphRecord:
 
     graph_id: int
     rewrite: RewriteResult
+    compile_id: str = ""
     forward: list[GemmRecord] | None = None
     backward: list[GemmRecord] | None = None
     forward_has_fp8: bool | None = None
@@ -81,7 +83,7 @@ class UnifiedState:
 
     @property
     def compiles(self) -> int:
-        """How many graphs Dynamo handed to the backend (a recompile adds one)."""
+        """How many graphs were compiled (a graph break or a recompile adds one)."""
         return len(self.graphs)
 
 
@@ -94,6 +96,7 @@ def unify(
     dynamic: bool | None = None,
     fullgraph: bool = False,
     mode: str = "compile",
+    compiler: str = "inductor",
 ) -> nn.Module:
     """Make ``model``'s linear GEMMs follow ``recipe``; returns the same model object.
 
@@ -103,19 +106,38 @@ def unify(
       recompile per length); ``None`` lets Dynamo decide after the first new shape.
     - ``mode="eager"``: no compile; each eligible ``nn.Linear`` calls the same op eagerly (slow;
       for debugging). ``restore(model)`` undoes either mode.
+    - ``compiler="aot_eager"``: the same pass and AOTAutograd graphs, run without Inductor (fast
+      to compile; for debugging numerics and for tests that only inspect graphs).
     """
     r = get_recipe(recipe).with_options(include_lm_head=include_lm_head, skip=skip)
     _check_model(model)
     if mode not in MODES:
         raise ValueError(f"unify mode {mode!r} is unknown; choose one of {', '.join(MODES)}")
+    if compiler not in COMPILERS:
+        raise ValueError(f"unify compiler {compiler!r} is unknown; choose one of {', '.join(COMPILERS)}")
     state = UnifiedState(recipe=r, mode=mode)
     if mode == "compile":
-        model.compile(backend=JetrlBackend(model, state), dynamic=dynamic, fullgraph=fullgraph)
+        _make_room_for_another_compiled_model()
+        model.compile(backend=JetrlBackend(model, state, compiler), dynamic=dynamic, fullgraph=fullgraph)
     else:
         _patch_linears_eager(model, state)
     setattr(model, _STATE_ATTR, state)
     _ensure_log_handler()
     return model
+
+
+_unified_models = 0
+
+
+def _make_room_for_another_compiled_model() -> None:
+    """Every unified model adds Dynamo cache entries to the same transformers code objects (each
+    has its own backend, and Dynamo guards on the backend). Past ``recompile_limit`` (8 by
+    default) Dynamo silently runs the frame eagerly, which would mean BF16 where the recipe says
+    FP8; so each unify raises the limit by a model's worth of entries."""
+    global _unified_models
+    _unified_models += 1
+    config = torch._dynamo.config
+    config.recompile_limit = max(config.recompile_limit, 8 * (_unified_models + 1))
 
 
 def restore(model: nn.Module) -> nn.Module:
@@ -191,13 +213,12 @@ def _param_table(model: nn.Module) -> dict[int, ParamInfo]:
 class JetrlBackend:
     """The torch.compile backend of ``unify``: pass, weight-cache plumbing, Inductor."""
 
-    def __init__(self, model: nn.Module, state: UnifiedState):
-        self.model, self.state = model, state
+    def __init__(self, model: nn.Module, state: UnifiedState, compiler: str = "inductor"):
+        self.model, self.state, self.compiler = model, state, compiler
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs):
         state, recipe = self.state, self.state.recipe
-        record = GraphRecord(graph_id=len(state.graphs), rewrite=RewriteResult())
-        state.graphs.append(record)
+        record = self._new_record(str(gm.meta.get("dynamo_compile_id", "")))
         table = _param_table(self.model)
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
         params = {n.name: table[id(x)] for n, x in zip(placeholders, example_inputs) if id(x) in table}
@@ -219,11 +240,16 @@ class JetrlBackend:
                 extra.extend(cache.get(args[i]))
             return extra
 
-        def inner_compile(aot_gm, aot_inputs, **kwargs):
-            self._read_precisions(record, aot_gm, kwargs)
-            return compile_fx_inner(aot_gm, aot_inputs, **kwargs)
+        inputs = [*example_inputs, *_static_fakes(quantized_inputs(example_inputs), example_inputs)]
+        if self.compiler == "inductor":
 
-        compiled = compile_fx(gm, [*example_inputs, *quantized_inputs(example_inputs)], inner_compile=inner_compile)
+            def inner_compile(aot_gm, aot_inputs, **kwargs):
+                self._read_precisions(record, aot_gm, kwargs)
+                return compile_fx_inner(aot_gm, aot_inputs, **kwargs)
+
+            compiled = compile_fx(gm, inputs, inner_compile=inner_compile)
+        else:
+            compiled = self._aot_eager(record, gm, inputs)
         if not weight_inputs:
             return compiled
 
@@ -231,6 +257,30 @@ class JetrlBackend:
             return compiled(*args, *quantized_inputs(args))
 
         return run
+
+    def _new_record(self, compile_id: str) -> GraphRecord:
+        """A record for this compile. When Dynamo restarts the analysis of a frame it calls the
+        backend again with the same compile id and drops the first result: replace its record."""
+        graphs = self.state.graphs
+        for i, old in enumerate(graphs):
+            if compile_id and old.compile_id == compile_id:
+                graphs[i] = GraphRecord(old.graph_id, RewriteResult(), compile_id=compile_id)
+                return graphs[i]
+        graphs.append(GraphRecord(len(graphs), RewriteResult(), compile_id=compile_id))
+        return graphs[-1]
+
+    def _aot_eager(self, record: GraphRecord, gm, inputs):
+        from functorch.compile import make_boxed_func
+        from torch._dynamo.backends.common import aot_autograd
+
+        def compiler(is_backward):
+            def compile_graph(aot_gm, aot_inputs, **kwargs):
+                self._read_precisions(record, aot_gm, {"is_backward": is_backward})
+                return make_boxed_func(aot_gm.forward)
+
+            return compile_graph
+
+        return aot_autograd(fw_compiler=compiler(False), bw_compiler=compiler(True))(gm, inputs)
 
     def _read_precisions(self, record: GraphRecord, aot_gm, kwargs) -> None:
         backward = bool(kwargs.get("is_backward"))
@@ -244,6 +294,16 @@ class JetrlBackend:
             name = "aot_backward" if backward else ("aot_forward_inference" if inference else "aot_forward")
             dump.write_graph(record.graph_id, name, aot_gm)
             dump.write_report(record.graph_id, record.report(self.state.recipe))
+
+
+def _static_fakes(tensors: list[torch.Tensor], example_inputs) -> list[torch.Tensor]:
+    """Example values for the added inputs, with static shapes: a weight's payload and scales
+    never change shape, and under ``dynamic=True`` AOTAutograd would otherwise give every dim of
+    them a symbol, and the quantizer's shape branches would become guards."""
+    fake_mode = torch._guards.detect_fake_mode(example_inputs)
+    if fake_mode is None:
+        return tensors
+    return [fake_mode.from_tensor(t, static_shapes=True) for t in tensors]
 
 
 def _detached_copy(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:

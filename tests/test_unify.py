@@ -1,0 +1,293 @@
+"""unify(model, recipe) on tiny random HF models: rewrite coverage, graphs, numerics, training."""
+
+import json
+import re
+
+import pytest
+import torch
+import torch.nn as nn
+from expecttest import assert_expected_inline
+
+import jetrl_compile
+from jetrl_compile.runtime import fp8_linear
+from tests.conftest import tiny_model
+
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+TRAIN_RECIPES = ("bf16", "fp8_fwd_bf16_bwd", "jetrl", "fp8_rollout_only")
+
+
+def _ids(batch=2, length=32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 256, (batch, length), generator=g)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "mistral"])
+def test_every_projection_rewritten_and_lm_head_embeddings_not(family):
+    model = tiny_model(family, layers=2)
+    jetrl_compile.unify(model, "fp8_fwd_bf16_bwd", compiler="aot_eager")
+    with torch.no_grad():
+        model(_ids(1, 8))
+    (report,) = jetrl_compile.precision_report(model)
+    rows = {r["module"]: r for r in report["linears"]}
+    expected = {f"model.layers.{i}.{p}" for i in range(2) for p in ("self_attn." + q for q in PROJECTIONS[:4])}
+    expected |= {f"model.layers.{i}.mlp.{p}" for i in range(2) for p in PROJECTIONS[4:]}
+    assert {m for m, r in rows.items() if r["fprop"] == "fp8"} == expected
+    assert rows["lm_head"]["fprop"] == "fp32"
+    assert [s["module"] for s in report["skipped"]] == ["lm_head"]
+    assert not any("embed" in m for m in rows), "embeddings are lookups, never GEMM sites"
+
+
+def test_include_lm_head_and_skip_patterns():
+    model = tiny_model("llama", layers=2)
+    jetrl_compile.unify(model, "fp8_fwd_bf16_bwd", include_lm_head=True, skip=["*.layers.1.mlp.*"], compiler="aot_eager")
+    with torch.no_grad():
+        model(_ids(1, 8))
+    (report,) = jetrl_compile.precision_report(model)
+    fp8 = {r["module"] for r in report["linears"] if r["fprop"] == "fp8"}
+    assert "lm_head" in fp8 and "model.layers.1.mlp.up_proj" not in fp8 and "model.layers.0.mlp.up_proj" in fp8
+    assert report["summary"] == (
+        "rewrote 12 of 15 linears; skipped model.layers.1.mlp.down_proj, "
+        "model.layers.1.mlp.gate_proj, model.layers.1.mlp.up_proj"
+    )
+
+
+# --- training: one compiled model per recipe, shared by the tests below ----------------------
+
+
+@pytest.fixture(scope="module")
+def trained():
+    """For each recipe: a 1-layer Llama with FP32 master weights, 30 AdamW steps on a fixed batch."""
+    runs = {}
+    ids = _ids()
+    for recipe in TRAIN_RECIPES:
+        model = tiny_model("llama", layers=1, seed=0)
+        jetrl_compile.unify(model, recipe)
+        opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+        losses = []
+        for _ in range(30):
+            loss = model(ids, labels=ids).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        runs[recipe] = (model, losses)
+    return runs
+
+
+@pytest.mark.parametrize("recipe", TRAIN_RECIPES)
+def test_backward_graph_float8_rules(trained, recipe):
+    model, _ = trained[recipe]
+    (graph,) = jetrl_compile.unified_state(model).graphs
+    assert graph.forward is not None and graph.backward is not None
+    if recipe == "fp8_fwd_bf16_bwd":
+        assert graph.forward_has_fp8 and not graph.backward_has_fp8
+    elif recipe == "jetrl":
+        assert graph.forward_has_fp8 and graph.backward_has_fp8
+    else:
+        assert not graph.forward_has_fp8 and not graph.backward_has_fp8
+    (report,) = jetrl_compile.precision_report(model)
+    fwd = "fp8" if recipe in ("fp8_fwd_bf16_bwd", "jetrl") else "bf16"
+    bwd = "fp8" if recipe == "jetrl" else "bf16"
+    for row in report["linears"]:
+        if row["module"] == "lm_head":
+            assert (row["fprop"], row["dgrad"], row["wgrad"]) == ("fp32", "fp32", "fp32")
+        else:
+            assert (row["fprop"], row["dgrad"], row["wgrad"]) == (fwd, bwd, bwd), row
+
+
+def test_jetrl_gradients_between_ops_stay_bf16_or_wider(trained):
+    model, _ = trained["jetrl"]
+    (graph,) = jetrl_compile.unified_state(model).graphs
+    # Every FP8 value in the backward graph feeds a GEMM operand, never an op's gradient output:
+    # the GEMM outputs (dx handed to the previous op, dW) are BF16 or FP32.
+    assert all(r.precision == "fp8" for r in graph.backward if r.module != "lm_head")
+
+
+def test_training_drives_loss_down_alike_for_every_recipe(trained):
+    final = {}
+    for recipe, (_, losses) in trained.items():
+        assert losses[-1] < 0.7 * losses[0], (recipe, losses[0], losses[-1])
+        final[recipe] = losses[-1]
+    # FP8 forward noise changes the trajectory slightly; 30 steps land within 15% of BF16.
+    for recipe in ("fp8_fwd_bf16_bwd", "jetrl"):
+        assert abs(final[recipe] - final["bf16"]) < 0.15 * final["bf16"], final
+
+
+def test_gradients_land_in_fp32_master_weights(trained):
+    model, _ = trained["fp8_fwd_bf16_bwd"]
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    ids = _ids()
+    model(ids, labels=ids).loss.backward()
+    assert model.model.layers[0].mlp.up_proj.weight.grad.dtype == torch.float32
+    model.zero_grad()
+
+
+def test_weights_quantized_once_per_optimizer_step(trained):
+    model, _ = trained["fp8_fwd_bf16_bwd"]
+    cache = jetrl_compile.unified_state(model).cache
+    before = cache.quantizations
+    ids = _ids()
+    with torch.no_grad():
+        model(ids)
+        model(ids)  # same weights: no re-quantization
+    assert cache.quantizations == before
+    with torch.no_grad():
+        model.model.layers[0].self_attn.q_proj.weight.mul_(1.0)  # an in-place update bumps the version
+    model(ids, labels=ids)
+    assert cache.quantizations == before + 1
+
+
+# --- numerics, dump, dynamic shapes, generate --------------------------------------------------
+
+
+class _SwappedLinear(nn.Module):
+    """Reference: an nn.Linear replaced by the eager FP8 op (weight quantized inside the call)."""
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        self.weight, self.bias = linear.weight, linear.bias
+
+    def forward(self, x):
+        return fp8_linear(x, self.weight, self.bias, recipe="fp8_fwd_bf16_bwd")
+
+
+def _swap_linears(model):
+    for name, module in list(model.named_modules()):
+        for child_name, child in list(module.named_children()):
+            if isinstance(child, nn.Linear) and not f"{name}.{child_name}".endswith("lm_head") and child_name != "lm_head":
+                setattr(module, child_name, _SwappedLinear(child))
+    return model
+
+
+def test_fp8_logits_differ_slightly_from_bf16_and_equal_swapped_op_reference():
+    ids = _ids(2, 24)
+    model = tiny_model("llama", layers=2, dtype=torch.bfloat16)
+    with torch.no_grad():
+        bf16_logits = model(ids).logits.float()
+    reference = _swap_linears(tiny_model("llama", layers=2, dtype=torch.bfloat16))
+    jetrl_compile.unify(model, "fp8_fwd_bf16_bwd")
+    with torch.no_grad():
+        fp8_logits = model(ids).logits.float()
+        ref_logits = torch.compile(reference)(ids).logits.float()
+    diff = (fp8_logits - bf16_logits).abs()
+    # Random tiny-model logits are small (mean |logit| about 0.2); two FP8 layers move them by
+    # a few percent of that. 15% is far below what a wrong GEMM or a skipped scale would do.
+    assert 0 < diff.mean() < 0.15 * bf16_logits.abs().mean()
+    assert torch.equal(fp8_logits, ref_logits), (fp8_logits - ref_logits).abs().max()
+
+
+def test_dump_writes_graphs_and_precision_report(tmp_path, monkeypatch):
+    monkeypatch.setenv("JETRL_DUMP", "1")
+    monkeypatch.setenv("JETRL_DUMP_DIR", str(tmp_path))
+    model = tiny_model("llama", layers=2)
+    jetrl_compile.unify(model, "fp8_fwd_bf16_bwd")
+    ids = _ids(1, 16)
+    model(ids, labels=ids).loss.backward()
+    (run,) = tmp_path.iterdir()
+    files = sorted(p.name for p in (run / "graph_000").iterdir())
+    assert files == [
+        "aot_backward.py", "aot_forward.py", "dynamo_after.py", "dynamo_before.py",
+        "precision_report.json", "precision_report.md",
+    ]
+    graph = run / "graph_000"
+    assert "f8e4m3fn" in (graph / "aot_forward.py").read_text()
+    assert "f8e4m3fn" not in (graph / "aot_backward.py").read_text()
+    assert "linear_with_quantized_weight" in (graph / "dynamo_after.py").read_text()
+    assert "linear_with_quantized_weight" not in (graph / "dynamo_before.py").read_text()
+    report = json.loads((graph / "precision_report.json").read_text())
+    assert report["backward_compiled"] and len(report["linears"]) == 15
+    assert_expected_inline(
+        (graph / "precision_report.md").read_text(),
+        """\
+# Precision report, graph 0
+
+Recipe `fp8_fwd_bf16_bwd`: rewrote 14 of 15 linears; skipped lm_head.
+Read off the compiled graphs: forward yes, backward yes.
+
+| module | shape (N, K) | fprop | dgrad | wgrad |
+|---|---|---|---|---|
+| `model.layers.0.self_attn.q_proj` | 200x200 | fp8 | bf16 | bf16 |
+| `model.layers.0.self_attn.k_proj` | 100x200 | fp8 | bf16 | bf16 |
+| `model.layers.0.self_attn.v_proj` | 100x200 | fp8 | bf16 | bf16 |
+| `model.layers.0.self_attn.o_proj` | 200x200 | fp8 | bf16 | bf16 |
+| `model.layers.0.mlp.gate_proj` | 320x200 | fp8 | bf16 | bf16 |
+| `model.layers.0.mlp.up_proj` | 320x200 | fp8 | bf16 | bf16 |
+| `model.layers.0.mlp.down_proj` | 200x320 | fp8 | bf16 | bf16 |
+| `model.layers.1.self_attn.q_proj` | 200x200 | fp8 | bf16 | bf16 |
+| `model.layers.1.self_attn.k_proj` | 100x200 | fp8 | bf16 | bf16 |
+| `model.layers.1.self_attn.v_proj` | 100x200 | fp8 | bf16 | bf16 |
+| `model.layers.1.self_attn.o_proj` | 200x200 | fp8 | bf16 | bf16 |
+| `model.layers.1.mlp.gate_proj` | 320x200 | fp8 | bf16 | bf16 |
+| `model.layers.1.mlp.up_proj` | 320x200 | fp8 | bf16 | bf16 |
+| `model.layers.1.mlp.down_proj` | 200x320 | fp8 | bf16 | bf16 |
+| `lm_head` | 256x200 | fp32 | fp32 | fp32 |
+
+Skipped:
+
+- `lm_head`: lm_head stays in the model dtype: logprobs are what RL optimises (include_lm_head=True to quantize it)
+""",
+    )
+
+
+def test_dynamic_sequence_lengths_do_not_recompile_and_generate_works():
+    model = tiny_model("llama", layers=1, dtype=torch.bfloat16)
+    # aot_eager: shape specialisation is decided by Dynamo and AOTAutograd, before Inductor.
+    jetrl_compile.unify(model, "fp8_fwd_bf16_bwd", dynamic=True, compiler="aot_eager")
+    state = jetrl_compile.unified_state(model)
+    with torch.no_grad():
+        model(_ids(2, 5))
+        compiles = state.compiles
+        for length in (9, 17, 30, 64):
+            model(_ids(2, length))
+    assert compiles == 1 and state.compiles == compiles
+    out = model.generate(_ids(1, 6), max_new_tokens=4, do_sample=False)
+    assert out.shape == (1, 10)
+
+
+# --- API behaviour --------------------------------------------------------------------------------
+
+
+def test_state_dict_round_trips_and_keys_are_untouched():
+    model = tiny_model("llama")
+    keys = list(model.state_dict())
+    jetrl_compile.unify(model, "jetrl")
+    state = model.state_dict()
+    assert list(state) == keys
+    fresh = tiny_model("llama", seed=1)
+    fresh.load_state_dict(state)
+    assert all(torch.equal(a, b) for a, b in zip(fresh.state_dict().values(), state.values()))
+
+
+def test_eager_mode_and_restore():
+    ids = _ids(1, 12)
+    model = tiny_model("llama", dtype=torch.bfloat16)
+    with torch.no_grad():
+        original = model(ids).logits
+        jetrl_compile.unify(model, "fp8_fwd_bf16_bwd", mode="eager")
+        eager_fp8 = model(ids).logits
+        assert not torch.equal(eager_fp8, original)
+        assert (eager_fp8 - original).abs().mean() < 0.15 * original.abs().mean()
+        jetrl_compile.restore(model)
+        assert torch.equal(model(ids).logits, original)
+    jetrl_compile.unify(model, "bf16", mode="eager")  # unify again after restore is fine
+
+
+def test_clear_errors():
+    model = tiny_model("llama")
+    with pytest.raises(ValueError, match="recipe 'fp16' is unknown; choose one of"):
+        jetrl_compile.unify(model, "fp16")
+    jetrl_compile.unify(model, "jetrl")
+    with pytest.raises(RuntimeError, match=r"already unified \(recipe 'jetrl'\); call jetrl_compile.restore"):
+        jetrl_compile.unify(model, "bf16")
+    with pytest.raises(ValueError, match="found no nn.Linear in Sequential"):
+        jetrl_compile.unify(nn.Sequential(nn.Embedding(4, 4), nn.ReLU()))
+    with pytest.raises(TypeError, match="takes a torch.nn.Module"):
+        jetrl_compile.unify("gpt2")
+    with pytest.raises(ValueError, match="is not unified"):
+        jetrl_compile.precision_report(tiny_model("llama"))
+    compiled = tiny_model("llama")
+    compiled.compile()
+    with pytest.raises(RuntimeError, match="already torch.compile'd"):
+        jetrl_compile.unify(compiled)
+    with pytest.raises(ValueError, match="unify mode 'fast' is unknown"):
+        jetrl_compile.unify(tiny_model("llama"), mode="fast")
