@@ -34,6 +34,13 @@ log = logging.getLogger("jetrl_compile")
 _STATE_ATTR = "_jetrl_state"
 MODES = ("compile", "eager")
 COMPILERS = ("inductor", "aot_eager")
+# Inductor CPU pitfall (DESIGN.md 5b): in an FP8-backward graph, the quantize of dy (groups along
+# N, for dgrad) and of dy^T (groups along M, for wgrad) read the same buffer in two loop orders;
+# fused horizontally, the loop splitter asserts (`try_loop_split`, var_ranges mismatch). Keeping
+# horizontal fusion off in those backward graphs compiles them; vertical fusion (quantize into
+# the producer and the dequantize into the matmul feed) is unaffected. Pass the same options to
+# torch.compile when compiling fp8_linear with an FP8 backward yourself.
+FP8_BACKWARD_INDUCTOR_OPTIONS = {"cpp.max_horizontal_fusion_size": 1}
 
 
 @dataclass
@@ -245,7 +252,9 @@ class JetrlBackend:
 
             def inner_compile(aot_gm, aot_inputs, **kwargs):
                 self._read_precisions(record, aot_gm, kwargs)
-                return compile_fx_inner(aot_gm, aot_inputs, **kwargs)
+                fp8_backward = kwargs.get("is_backward") and (recipe.dgrad.is_fp8 or recipe.wgrad.is_fp8)
+                with torch._inductor.config.patch(FP8_BACKWARD_INDUCTOR_OPTIONS if fp8_backward else {}):
+                    return compile_fx_inner(aot_gm, aot_inputs, **kwargs)
 
             compiled = compile_fx(gm, inputs, inner_compile=inner_compile)
         else:

@@ -63,17 +63,44 @@ def _group_amax_last(x: torch.Tensor) -> torch.Tensor:
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
 
 
-def _expand_last(s: torch.Tensor, n: int) -> torch.Tensor:
-    """Repeat each per-group value of ``s`` (..., ceil(n/128)) over its group: shape ``(..., n)``."""
-    n_full_groups = n // GROUP
+def _per_group_last(x: torch.Tensor, scale: torch.Tensor, op) -> torch.Tensor:
+    """``op(x_group, s_group)`` for each 128-wide group of the last dim, back in ``x``'s shape.
+
+    ``scale`` is ``(..., ceil(n / 128))`` and broadcasts against ``x``'s leading dims. Working on
+    group-shaped views keeps every index free of ``// 128``: Inductor's CPU loop splitting
+    asserted on the division form when a quantize of ``dy`` and of ``dy^T`` (FP8 backward
+    GEMMs) fused into one kernel (DESIGN.md 5b).
+    """
+    n_full_groups = x.shape[-1] // GROUP
+    full, tail = _split_last(x)
     parts = []
-    if n_full_groups:
-        full = s[..., :n_full_groups].unsqueeze(-1)
-        parts.append(full.expand(*full.shape[:-1], GROUP).flatten(-2))
-    if n_full_groups * GROUP < n:
-        tail = s[..., n_full_groups:]
-        parts.append(tail.expand(*tail.shape[:-1], n - n_full_groups * GROUP))
+    if full is not None:
+        parts.append(op(full, scale[..., :n_full_groups].unsqueeze(-1)).flatten(-2))
+    if tail is not None:
+        parts.append(op(tail, scale[..., n_full_groups:].unsqueeze(-1)).flatten(-2))
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
+
+
+def _per_block(w: torch.Tensor, scale: torch.Tensor, op) -> torch.Tensor:
+    """``op`` over 128 x 128 blocks of a 2-D ``(N, K)`` tensor with ``(ceil(N/128), ceil(K/128))`` scales."""
+    n_full_groups = w.shape[0] // GROUP
+    full, tail = _split_last(w.t())  # row groups, as (K, n_groups, 128) and (K, 1, tail)
+    parts = []
+    if full is not None:
+        rows = full.permute(1, 2, 0)  # (n_full_groups, 128, K)
+        parts.append(_per_group_last(rows, scale[:n_full_groups].unsqueeze(1), op).flatten(0, 1))
+    if tail is not None:
+        rows = tail.permute(1, 2, 0)  # (1, tail, K)
+        parts.append(_per_group_last(rows, scale[n_full_groups:].unsqueeze(1), op).flatten(0, 1))
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
+
+
+def _quantize_op(x: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    return cast_saturated(x.float() / s)
+
+
+def _dequantize_op(q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    return q.float() * s
 
 
 def _power_of_two_scale(amax: torch.Tensor) -> torch.Tensor:
@@ -116,8 +143,43 @@ def quantize_groupwise(x: torch.Tensor) -> Quantized:
     """
     _check_finite(x, "quantize_groupwise")
     scale = _power_of_two_scale(_group_amax_last(x))
-    data = cast_saturated(x.float() / _expand_last(scale, x.shape[-1]))
-    return Quantized(data, scale)
+    return Quantized(_per_group_last(x, scale, _quantize_op), scale)
+
+
+def quantize_groupwise_transposed(x: torch.Tensor) -> Quantized:
+    """``quantize_groupwise(x.t())`` for a 2-D ``(M, K)`` tensor, computed in ``x``'s own layout.
+
+    The result is bitwise the same; only the loop order differs. The FP8 wgrad GEMM needs ``dy^T``
+    and ``x^T`` in groups of 128 along the token dim M, and computing them as column groups of the
+    row-major tensors lets Inductor fuse them with the row-group quantize of ``dy`` for dgrad
+    (the transposed form tripped an assertion in Inductor's CPU loop splitting, DESIGN.md 5b).
+    """
+    if x.dim() != 2:
+        raise ValueError(f"quantize_groupwise_transposed takes a 2-D tensor; got shape {tuple(x.shape)}")
+    _check_finite(x, "quantize_groupwise_transposed")
+    scale = _power_of_two_scale(_row_group_amax(x))  # (ceil(M/128), K)
+    return Quantized(_per_row_group(x, scale, _quantize_op).t(), scale.t())
+
+
+def _row_chunks(x: torch.Tensor) -> list[torch.Tensor]:
+    """Rows of a 2-D tensor in groups of 128 (then the partial tail), as ``(n_groups, rows, K)``."""
+    m_full = x.shape[0] // GROUP * GROUP
+    chunks = [x[:m_full].unflatten(0, (m_full // GROUP, GROUP))] if m_full else []
+    return chunks + ([x[m_full:].unsqueeze(0)] if m_full < x.shape[0] else [])
+
+
+def _row_group_amax(x: torch.Tensor) -> torch.Tensor:
+    parts = [c.abs().amax(dim=1) for c in _row_chunks(x)]
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
+
+
+def _per_row_group(x: torch.Tensor, scale: torch.Tensor, op) -> torch.Tensor:
+    """``op`` over groups of 128 rows of a 2-D ``(M, K)`` tensor, ``scale`` of shape ``(ceil(M/128), K)``."""
+    parts, start = [], 0
+    for chunk in _row_chunks(x):
+        parts.append(op(chunk, scale[start : start + chunk.shape[0]].unsqueeze(1)).flatten(0, 1))
+        start += chunk.shape[0]
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
 
 
 def quantize_blockwise(w: torch.Tensor) -> Quantized:
@@ -132,14 +194,12 @@ def quantize_blockwise(w: torch.Tensor) -> Quantized:
     row_group_amax = _group_amax_last(w)  # (N, ceil(K/128))
     block_amax = _group_amax_last(row_group_amax.t()).t()  # (ceil(N/128), ceil(K/128))
     scale = _power_of_two_scale(block_amax).contiguous()
-    data = cast_saturated(w.float() / expand_block_scale(scale, w.shape))
-    return Quantized(data, scale)
+    return Quantized(_per_block(w, scale, _quantize_op), scale)
 
 
 def expand_block_scale(scale: torch.Tensor, shape: torch.Size | tuple[int, int]) -> torch.Tensor:
-    """Per-element view of 128 x 128 block scales for a weight of ``shape`` (N, K)."""
-    n, k = shape
-    return _expand_last(_expand_last(scale, k).t(), n).t()
+    """Per-element copy of 128 x 128 block scales for a weight of ``shape`` (N, K)."""
+    return _per_block(scale.new_ones(shape), scale, torch.mul)
 
 
 def dequantize(data: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
@@ -151,17 +211,18 @@ def dequantize(data: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = tor
     """
     if data.dtype != FP8_DTYPE:
         raise TypeError(f"dequantize takes a float8_e4m3fn payload; got {data.dtype}")
-    if scale.shape[:-1] == data.shape[:-1]:
-        full_scale = _expand_last(scale, data.shape[-1])
-    elif data.dim() == 2 and scale.dim() == 2 and scale.shape == block_scale_shape(data.shape):
-        full_scale = expand_block_scale(scale, data.shape)
-    else:
-        raise ValueError(
-            f"scale of shape {tuple(scale.shape)} fits neither 1x128 groups nor 128x128 blocks of a "
-            f"payload of shape {tuple(data.shape)}"
-        )
     # Multiply in float32: exact for powers of two, then one exact rounding into dtype.
-    return (data.float() * full_scale).to(dtype)
+    if scale.shape[:-1] == data.shape[:-1]:
+        if data.dim() == 2 and data.stride(0) == 1 and data.shape[1] > 1:
+            # A transposed view (from quantize_groupwise_transposed): work in its storage order.
+            return _per_row_group(data.t(), scale.t(), _dequantize_op).t().to(dtype)
+        return _per_group_last(data, scale, _dequantize_op).to(dtype)
+    if data.dim() == 2 and scale.dim() == 2 and scale.shape == block_scale_shape(data.shape):
+        return _per_block(data, scale, _dequantize_op).to(dtype)
+    raise ValueError(
+        f"scale of shape {tuple(scale.shape)} fits neither 1x128 groups nor 128x128 blocks of a "
+        f"payload of shape {tuple(data.shape)}"
+    )
 
 
 def block_scale_shape(shape: torch.Size | tuple[int, int]) -> tuple[int, int]:

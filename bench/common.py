@@ -1,0 +1,71 @@
+"""Shared pieces of the benchmarks: timing medians, machine facts, markdown tables."""
+
+from __future__ import annotations
+
+import os
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+RESULTS = Path(__file__).parent / "results"
+
+
+def median_seconds(fn, reps: int, warmup: int = 2) -> float:
+    """Median wall time of ``fn()`` over ``reps`` runs after ``warmup`` runs."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def interleaved_medians(fns: dict, reps: int, warmup: int = 1) -> dict[str, float]:
+    """Median time of each function, runs interleaved (a, b, a, b, ...) so that machine noise
+    hits every variant alike; ratios between them are what the tables report."""
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+    times = {k: [] for k in fns}
+    for _ in range(reps):
+        for k, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            times[k].append(time.perf_counter() - t0)
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def machine() -> str:
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return (
+        f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__} "
+        f"({torch.get_num_threads()} threads), python {platform.python_version()}"
+    )
+
+
+def table(header: list[str], rows: list[list]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def write_result(name: str, command: str, body: str) -> Path:
+    """Print and save a result table with the command and machine that produced it."""
+    RESULTS.mkdir(exist_ok=True)
+    text = f"# {name}\n\nCommand: `{command}`\n\nMachine: {machine()}\n\n{body}\n"
+    path = RESULTS / f"{name}.md"
+    path.write_text(text)
+    print(text)
+    return path

