@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from jetrl_compile.runtime import FP8_DTYPE, FP8_MAX, dequantize, quantize_blockwise, quantize_groupwise
-from jetrl_compile.runtime.quantize import cast_saturated, expand_block_scale, quantize_groupwise_transposed
+from jetrl_compile.runtime.quantize import cast_saturated, expand_block_scale
 
 SHAPES = [(576, 1536), (1536, 576), (192, 576), (200, 300), (129, 257), (128, 128), (1, 5)]
 
@@ -91,16 +91,6 @@ def test_blockwise_of_transpose_is_transpose_of_blockwise():
     q, s = quantize_blockwise(w)
     qt, st = quantize_blockwise(w.t())
     assert torch.equal(qt.view(torch.uint8), q.t().view(torch.uint8)) and torch.equal(st, s.t())
-
-
-@pytest.mark.parametrize("shape", [(64, 1536), (300, 200), (128, 5), (1, 3)])
-def test_groupwise_transposed_is_bitwise_groupwise_of_transpose(shape):
-    torch.manual_seed(5)
-    x = (torch.randn(shape) * 3).to(torch.bfloat16)
-    q, s = quantize_groupwise_transposed(x)
-    q_ref, s_ref = quantize_groupwise(x.t())
-    assert q.shape == q_ref.shape and s.shape == s_ref.shape
-    assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8)) and torch.equal(s, s_ref)
 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 
 from ..recipes import DEFAULT_RECIPE, Recipe, get_recipe
 from .kernels import fp8_gemm
-from .quantize import Quantized, quantize_blockwise, quantize_groupwise, quantize_groupwise_transposed
+from .quantize import Quantized, quantize_blockwise, quantize_groupwise
 
 BF16 = torch.bfloat16
 
@@ -63,7 +63,7 @@ class _RecipeLinear(torch.autograd.Function):
             dx = dx.to(ctx.x_dtype).reshape(ctx.x_shape)
         if ctx.needs_input_grad[1]:
             if ctx.wgrad == "fp8":
-                dw = fp8_gemm(quantize_groupwise_transposed(dy2), quantize_groupwise_transposed(x2))
+                dw = fp8_gemm(quantize_groupwise(dy2.t()), quantize_groupwise(x2.t()))
             else:
                 dw = dy2.t().mm(x2)
             dw = dw.to(weight.dtype)

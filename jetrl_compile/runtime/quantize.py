@@ -66,10 +66,8 @@ def _group_amax_last(x: torch.Tensor) -> torch.Tensor:
 def _per_group_last(x: torch.Tensor, scale: torch.Tensor, op) -> torch.Tensor:
     """``op(x_group, s_group)`` for each 128-wide group of the last dim, back in ``x``'s shape.
 
-    ``scale`` is ``(..., ceil(n / 128))`` and broadcasts against ``x``'s leading dims. Working on
-    group-shaped views keeps every index free of ``// 128``: Inductor's CPU loop splitting
-    asserted on the division form when a quantize of ``dy`` and of ``dy^T`` (FP8 backward
-    GEMMs) fused into one kernel (DESIGN.md 5b).
+    ``scale`` is ``(..., ceil(n / 128))`` and broadcasts against ``x``'s leading dims; full groups
+    and the partial tail are separate tensors joined by ``cat`` (see the module docstring).
     """
     n_full_groups = x.shape[-1] // GROUP
     full, tail = _split_last(x)
@@ -146,42 +144,6 @@ def quantize_groupwise(x: torch.Tensor) -> Quantized:
     return Quantized(_per_group_last(x, scale, _quantize_op), scale)
 
 
-def quantize_groupwise_transposed(x: torch.Tensor) -> Quantized:
-    """``quantize_groupwise(x.t())`` for a 2-D ``(M, K)`` tensor, computed in ``x``'s own layout.
-
-    The result is bitwise the same; only the loop order differs. The FP8 wgrad GEMM needs ``dy^T``
-    and ``x^T`` in groups of 128 along the token dim M, and computing them as column groups of the
-    row-major tensors lets Inductor fuse them with the row-group quantize of ``dy`` for dgrad
-    (the transposed form tripped an assertion in Inductor's CPU loop splitting, DESIGN.md 5b).
-    """
-    if x.dim() != 2:
-        raise ValueError(f"quantize_groupwise_transposed takes a 2-D tensor; got shape {tuple(x.shape)}")
-    _check_finite(x, "quantize_groupwise_transposed")
-    scale = _power_of_two_scale(_row_group_amax(x))  # (ceil(M/128), K)
-    return Quantized(_per_row_group(x, scale, _quantize_op).t(), scale.t())
-
-
-def _row_chunks(x: torch.Tensor) -> list[torch.Tensor]:
-    """Rows of a 2-D tensor in groups of 128 (then the partial tail), as ``(n_groups, rows, K)``."""
-    m_full = x.shape[0] // GROUP * GROUP
-    chunks = [x[:m_full].unflatten(0, (m_full // GROUP, GROUP))] if m_full else []
-    return chunks + ([x[m_full:].unsqueeze(0)] if m_full < x.shape[0] else [])
-
-
-def _row_group_amax(x: torch.Tensor) -> torch.Tensor:
-    parts = [c.abs().amax(dim=1) for c in _row_chunks(x)]
-    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
-
-
-def _per_row_group(x: torch.Tensor, scale: torch.Tensor, op) -> torch.Tensor:
-    """``op`` over groups of 128 rows of a 2-D ``(M, K)`` tensor, ``scale`` of shape ``(ceil(M/128), K)``."""
-    parts, start = [], 0
-    for chunk in _row_chunks(x):
-        parts.append(op(chunk, scale[start : start + chunk.shape[0]].unsqueeze(1)).flatten(0, 1))
-        start += chunk.shape[0]
-    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
-
-
 def quantize_blockwise(w: torch.Tensor) -> Quantized:
     """FP8 payload and scales of a 2-D weight ``(N, K)`` in 128 x 128 blocks.
 
@@ -213,9 +175,6 @@ def dequantize(data: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = tor
         raise TypeError(f"dequantize takes a float8_e4m3fn payload; got {data.dtype}")
     # Multiply in float32: exact for powers of two, then one exact rounding into dtype.
     if scale.shape[:-1] == data.shape[:-1]:
-        if data.dim() == 2 and data.stride(0) == 1 and data.shape[1] > 1:
-            # A transposed view (from quantize_groupwise_transposed): work in its storage order.
-            return _per_row_group(data.t(), scale.t(), _dequantize_op).t().to(dtype)
         return _per_group_last(data, scale, _dequantize_op).to(dtype)
     if data.dim() == 2 and scale.dim() == 2 and scale.shape == block_scale_shape(data.shape):
         return _per_block(data, scale, _dequantize_op).to(dtype)
