@@ -45,6 +45,12 @@ def _compiled(fn, options=None):
     return torch.compile(fn, dynamic=False, options=options)
 
 
+# Every shape x token count x grad mode is its own static-shape entry on the same three code
+# objects; past Dynamo's default limit of 8 it would silently fall back to eager.
+torch._dynamo.config.recompile_limit = 256
+torch._dynamo.config.fail_on_recompile_limit_hit = True
+
+
 def bench_shape(k: int, n: int, tokens: list[int], reps: int) -> list[list]:
     torch.manual_seed(0)
     w = (torch.randn(n, k) * k**-0.5).to(BF16).requires_grad_()

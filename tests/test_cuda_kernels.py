@@ -1,0 +1,43 @@
+"""CUDA kernels against the CPU emulation. Run on a GPU machine with ``pytest -m cuda``."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from jetrl_compile.runtime import dequantize, quantize_blockwise, quantize_groupwise
+from jetrl_compile.runtime import kernels
+
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+
+@pytest.fixture
+def scaled_mm_enabled(monkeypatch):
+    monkeypatch.setenv("JETRL_FP8_KERNEL", "scaled_mm")
+    kernels._cuda_blockwise_enabled.cache_clear()
+    yield kernels._cuda_blockwise_enabled(torch.cuda.current_device())
+    kernels._cuda_blockwise_enabled.cache_clear()
+
+
+@pytest.mark.parametrize("m,k,n", [(128, 512, 256), (4096, 4096, 14336)])
+def test_blockwise_scaled_mm_matches_emulation_within_summation_error(scaled_mm_enabled, m, k, n):
+    if not scaled_mm_enabled:
+        pytest.skip("F.scaled_mm blockwise needs sm90+ and a torch that has it")
+    torch.manual_seed(0)
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(n, k, device="cuda") * k**-0.5
+    a, b = quantize_groupwise(x), quantize_blockwise(w)
+    y = kernels.fp8_gemm(a, b)
+    ref = F.linear(dequantize(*a).double(), dequantize(*b).double())
+    tol = ref.abs() * 2.0**-8 + k * 2.0**-24 * (dequantize(*a).double().abs() @ dequantize(*b).double().abs().t())
+    assert torch.all((y.double() - ref).abs() <= tol)
+
+
+def test_emulation_on_cuda_equals_cpu_bitwise_for_the_quantizer():
+    torch.manual_seed(1)
+    w = torch.randn(300, 200)
+    q_cpu, s_cpu = quantize_blockwise(w)
+    q_gpu, s_gpu = quantize_blockwise(w.cuda())
+    assert torch.equal(q_cpu.view(torch.uint8), q_gpu.cpu().view(torch.uint8)) and torch.equal(s_cpu, s_gpu.cpu())
