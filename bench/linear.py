@@ -1,8 +1,8 @@
 """FP8 linear op vs a plain BF16 linear, compiled, on SmolLM2-135M and 8B shapes.
 
 Forward, and forward+backward for each FP8 training recipe, at 1, 64 and 2048 tokens. The weight
-is quantized once outside the timed region, as ``unify``'s weight cache does once per optimizer
-step. Medians of interleaved runs; the ratios (FP8 time / BF16 time, lower is better) are what
+is quantized (and, for the CPU emulation, dequantized to BF16) once outside the timed region, as
+``unify``'s weight cache does once per optimizer step. Medians of interleaved runs; the ratios (FP8 time / BF16 time, lower is better) are what
 to read.
 
     python bench/linear.py            # all shapes
@@ -21,7 +21,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).parent))
 from common import interleaved_medians, table, write_result  # noqa: E402
 
-from jetrl_compile.runtime import linear_with_quantized_weight, quantize_blockwise  # noqa: E402
+from jetrl_compile.runtime import dequantize, linear_with_quantized_weight, quantize_blockwise  # noqa: E402
 from jetrl_compile.unify import FP8_BACKWARD_INDUCTOR_OPTIONS  # noqa: E402
 
 SMOLLM2 = [(576, 1536), (1536, 576), (576, 576), (576, 192)]  # (K in, N out)
@@ -35,8 +35,8 @@ def _bf16_linear(x, w):
 
 
 def _recipe_linear(fprop, dgrad, wgrad):
-    def fn(x, w, q, s):
-        return linear_with_quantized_weight(x, w, None, q, s, fprop=fprop, dgrad=dgrad, wgrad=wgrad)
+    def fn(x, w, q, s, deq):
+        return linear_with_quantized_weight(x, w, None, q, s, deq, fprop=fprop, dgrad=dgrad, wgrad=wgrad)
 
     return fn
 
@@ -55,6 +55,7 @@ def bench_shape(k: int, n: int, tokens: list[int], reps: int) -> list[list]:
     torch.manual_seed(0)
     w = (torch.randn(n, k) * k**-0.5).to(BF16).requires_grad_()
     q, s = quantize_blockwise(w.detach())
+    deq = dequantize(q, s)  # what unify's weight cache feeds the emulated GEMM, once per step
     bf16 = _compiled(_bf16_linear)
     fp8_fwd = _compiled(_recipe_linear("fp8", "bf16", "bf16"))
     jetrl = _compiled(_recipe_linear("fp8", "fp8", "fp8"), FP8_BACKWARD_INDUCTOR_OPTIONS)
@@ -81,10 +82,10 @@ def bench_shape(k: int, n: int, tokens: list[int], reps: int) -> list[list]:
         t = interleaved_medians(
             {
                 "bf16_f": fwd(bf16),
-                "fp8_f": fwd(fp8_fwd, q, s),
+                "fp8_f": fwd(fp8_fwd, q, s, deq),
                 "bf16_fb": fwd_bwd(bf16),
-                "fp8_fb": fwd_bwd(fp8_fwd, q, s),
-                "jetrl_fb": fwd_bwd(jetrl, q, s),
+                "fp8_fb": fwd_bwd(fp8_fwd, q, s, deq),
+                "jetrl_fb": fwd_bwd(jetrl, q, s, deq),
             },
             reps=r,
         )

@@ -4,7 +4,8 @@ SmolLM2-135M-Instruct with FP32 master weights, batch 8 x 256 tokens by default.
 runs through ``unify`` (the ``bf16`` row is the same flow with BF16 GEMMs), steps are interleaved
 across recipes so that machine noise hits all alike, and the table reports medians and the ratio
 to BF16. Memory: bytes saved for backward per step (activations, read through
-``saved_tensors_hooks``) and the bytes of the GEMM weight copies (FP8 payload + scales vs BF16).
+``saved_tensors_hooks``) and the bytes of the GEMM weight copies (BF16 copies; FP8 payload +
+scales, plus on CPU the BF16 dequantization the emulated GEMM reads).
 
     python bench/train_step.py                     # 8 x 256, 3 timed steps per recipe
     python bench/train_step.py --batch 2 --seq 64  # a quick look
@@ -52,7 +53,9 @@ class SavedBytes:
 def gemm_weight_bytes(model) -> int:
     cache = jetrl_compile.unified_state(model).cache
     if len(cache):
-        return sum(q.data.numel() + q.scale.numel() * 4 for q in (e.quantized for e in cache._entries.values()))
+        entries = cache._entries.values()
+        fp8 = sum(e.quantized.data.numel() + e.quantized.scale.numel() * 4 for e in entries)
+        return fp8 + sum(e.dequantized.numel() * 2 for e in entries if e.dequantized is not None)
     return sum(m.weight.numel() * 2 for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and "lm_head" not in n)
 
 

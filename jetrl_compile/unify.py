@@ -28,6 +28,7 @@ from .passes.precision_report import GemmRecord, classify_backward, gemms_in_gra
 from .passes.rewrite_linears import ParamInfo, RewriteResult, rewrite_linears
 from .recipes import DEFAULT_RECIPE, Recipe, get_recipe
 from .runtime.fp8_linear import linear_with_quantized_weight
+from .runtime.kernels import uses_emulation
 from .runtime.weight_cache import WeightCache
 
 log = logging.getLogger("jetrl_compile")
@@ -233,18 +234,22 @@ class JetrlBackend:
         if dump.dump_enabled():
             dump.write_graph(record.graph_id, "dynamo_before", gm)
         gm = _detached_copy(gm)
-        record.rewrite = rewrite_linears(gm, params, recipe)
+        device = next(self.model.parameters()).device
+        record.rewrite = rewrite_linears(gm, params, recipe, dequantized_weights=uses_emulation(device))
         log.info("graph %d (%s): %s", record.graph_id, recipe.name, record.rewrite.summary())
         if dump.dump_enabled():
             dump.write_graph(record.graph_id, "dynamo_after", gm)
 
-        weight_inputs = [s.weight_input for s in record.rewrite.rewritten if s.quant_inputs is not None]
+        # (weight placeholder index, whether the site also takes the dequantized weight)
+        weight_inputs = [(s.weight_input, len(s.quant_inputs) == 3) for s in record.rewrite.rewritten if s.quant_inputs]
         cache = state.cache
 
         def quantized_inputs(args) -> list[torch.Tensor]:
             extra = []
-            for i in weight_inputs:
+            for i, with_dequantized in weight_inputs:
                 extra.extend(cache.get(args[i]))
+                if with_dequantized:
+                    extra.append(cache.get_dequantized(args[i]))
             return extra
 
         inputs = [*example_inputs, *_static_fakes(quantized_inputs(example_inputs), example_inputs)]
@@ -294,7 +299,10 @@ class JetrlBackend:
     def _read_precisions(self, record: GraphRecord, aot_gm, kwargs) -> None:
         backward = bool(kwargs.get("is_backward"))
         inference = bool(kwargs.get("is_inference"))
-        gemms = gemms_in_graph(aot_gm, "backward" if backward else "forward")
+        # The cached BF16 dequantizations of FP8 weights enter the graph as inputs: they count as
+        # FP8 operands (their values are exactly the FP8 payload times its power-of-two scale).
+        fp8_inputs = {s.quant_inputs[2] for s in record.rewrite.rewritten if s.quant_inputs and len(s.quant_inputs) == 3}
+        gemms = gemms_in_graph(aot_gm, "backward" if backward else "forward", fp8_inputs)
         if backward:
             record.backward, record.backward_has_fp8 = gemms, graph_has_fp8(aot_gm)
         else:
@@ -339,8 +347,11 @@ def _patch_linears_eager(model: nn.Module, state: UnifiedState) -> None:
 
         def forward(x, module=module):
             q, s = state.cache.get(module.weight) if needs_q else (None, None)
+            deq = None
+            if recipe.fprop.is_fp8 and uses_emulation(module.weight.device):
+                deq = state.cache.get_dequantized(module.weight)
             return linear_with_quantized_weight(
-                x, module.weight, module.bias, q, s,
+                x, module.weight, module.bias, q, s, deq,
                 fprop=recipe.fprop.dtype, dgrad=recipe.dgrad.dtype, wgrad=recipe.wgrad.dtype,
             )
 

@@ -122,6 +122,18 @@ def test_gradients_land_in_fp32_master_weights(trained):
     model.zero_grad()
 
 
+def test_cpu_fprop_reads_the_cached_dequantized_weight(trained):
+    from jetrl_compile.runtime import dequantize
+
+    model, _ = trained["fp8_fwd_bf16_bwd"]
+    state = jetrl_compile.unified_state(model)
+    (graph,) = state.graphs
+    assert all(len(s.quant_inputs) == 3 for s in graph.rewrite.rewritten), "payload, scales, dequantized"
+    w = model.model.layers[0].mlp.down_proj.weight
+    assert torch.equal(state.cache.get_dequantized(w), dequantize(*state.cache.get(w)))
+    assert state.cache.get_dequantized(w) is state.cache.get_dequantized(w), "made once per step"
+
+
 def test_weights_quantized_once_per_optimizer_step(trained):
     model, _ = trained["fp8_fwd_bf16_bwd"]
     cache = jetrl_compile.unified_state(model).cache

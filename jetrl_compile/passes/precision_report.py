@@ -68,8 +68,15 @@ def _val_dtype(node) -> torch.dtype | None:
     return getattr(val, "dtype", None)
 
 
-def _operand_precision(node: fx.Node, max_depth: int = 16) -> str:
-    """"fp8" if the operand is computed from a float8 tensor through dequantize/layout ops."""
+def _input_index(node: fx.Node) -> int | None:
+    """Position of an AOT graph placeholder in the flat inputs (None for saved tensors etc.)."""
+    desc = node.meta.get("desc")
+    return getattr(desc, "idx", None) if type(desc).__name__ == "PlainAOTInput" else None
+
+
+def _operand_precision(node: fx.Node, fp8_inputs: frozenset[int] = frozenset(), max_depth: int = 16) -> str:
+    """"fp8" if the operand is computed from a float8 tensor through dequantize/layout ops, or is
+    one of ``fp8_inputs`` (graph inputs that hold a dequantized FP8 payload)."""
     seen, frontier = set(), [(node, 0)]
     while frontier:
         n, depth = frontier.pop()
@@ -77,6 +84,8 @@ def _operand_precision(node: fx.Node, max_depth: int = 16) -> str:
             continue
         seen.add(n)
         if _val_dtype(n) in (torch.float8_e4m3fn, torch.float8_e5m2):
+            return "fp8"
+        if n.op == "placeholder" and _input_index(n) in fp8_inputs:
             return "fp8"
         if depth >= max_depth or n.op != "call_function":
             continue
@@ -88,8 +97,13 @@ def _operand_precision(node: fx.Node, max_depth: int = 16) -> str:
     return _dtype_tag(dtype) if dtype is not None else "?"
 
 
-def gemms_in_graph(gm: fx.GraphModule, graph: str) -> list[GemmRecord]:
-    """Every matrix multiply of an AOT graph, with its module and operand precisions."""
+def gemms_in_graph(gm: fx.GraphModule, graph: str, fp8_inputs=frozenset()) -> list[GemmRecord]:
+    """Every matrix multiply of an AOT graph, with its module and operand precisions.
+
+    ``fp8_inputs``: flat-input positions that carry a BF16 dequantization of an FP8 payload
+    (the weight cache's ``W_deq``); GEMM operands read from them count as FP8.
+    """
+    fp8_inputs = frozenset(fp8_inputs)
     records = []
     for node in gm.graph.nodes:
         if node.op != "call_function" or node.target not in _GEMM_OPS:
@@ -101,7 +115,7 @@ def gemms_in_graph(gm: fx.GraphModule, graph: str) -> list[GemmRecord]:
                 module=module_name_from_meta(node, graph == "backward") or "?",
                 graph=graph,
                 node=node.name,
-                operand_dtypes=(_operand_precision(a), _operand_precision(b)),
+                operand_dtypes=(_operand_precision(a, fp8_inputs), _operand_precision(b, fp8_inputs)),
                 out_shape=tuple(val.shape) if val is not None else (),
             )
         )

@@ -8,9 +8,10 @@ the weight (or bias) of which ``nn.Linear``. It matches the forms Dynamo produce
 - ``x @ W.t()`` / ``torch.matmul(x, W.T)`` / ``torch.mm(x, W.t())``, with ``addmm(b, x, W.t())``.
 
 Each match whose weight belongs to an eligible ``nn.Linear`` becomes
-``linear_with_quantized_weight(x, W, b, W_q, W_s, fprop=..., dgrad=..., wgrad=...)``, where ``W_q``
-and ``W_s`` are new placeholders appended after the existing ones: the caller feeds them from the
-weight cache, so a weight is quantized once per optimizer step, not once per call. A parameter
+``linear_with_quantized_weight(x, W, b, W_q, W_s[, W_deq], fprop=..., dgrad=..., wgrad=...)``,
+where ``W_q``, ``W_s`` (and, for the emulated kernel, the BF16 dequantization ``W_deq``) are new
+placeholders appended after the existing ones: the caller feeds them from the weight cache, so a
+weight is quantized once per optimizer step, not once per call. A parameter
 used by a GEMM the pass cannot prove eligible is left untouched and reported with the reason.
 """
 
@@ -55,7 +56,7 @@ class LinearSite:
     rewritten: bool
     reason: str | None = None
     weight_input: int | None = None  # placeholder index of the weight
-    quant_inputs: tuple[int, int] | None = None  # placeholder indices of (W_q, W_s) when added
+    quant_inputs: tuple[int, ...] | None = None  # placeholder indices of (W_q, W_s[, W_deq]) when added
 
 
 @dataclass
@@ -123,9 +124,15 @@ def _uses_as_gemm_operand(node: fx.Node) -> bool:
     return False
 
 
-def rewrite_linears(gm: fx.GraphModule, params: dict[str, ParamInfo], recipe: Recipe) -> RewriteResult:
+def rewrite_linears(
+    gm: fx.GraphModule, params: dict[str, ParamInfo], recipe: Recipe, dequantized_weights: bool = False
+) -> RewriteResult:
     """Rewrite eligible linear GEMMs of ``gm`` in place; ``params`` maps placeholder names to
-    parameters. Returns every GEMM site on a parameter, rewritten or skipped (with the reason)."""
+    parameters. Returns every GEMM site on a parameter, rewritten or skipped (with the reason).
+
+    ``dequantized_weights``: for an FP8 fprop, also add a ``<weight>_fp8_dequantized`` input, the
+    BF16 dequantization of the cached payload, which the emulated GEMM multiplies by directly.
+    """
     graph = gm.graph
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     index_of = {n: i for i, n in enumerate(placeholders)}
@@ -164,11 +171,15 @@ def rewrite_linears(gm: fx.GraphModule, params: dict[str, ParamInfo], recipe: Re
                 q = graph.placeholder(f"{w.name}_fp8")
             with graph.inserting_after(q):
                 s = graph.placeholder(f"{w.name}_scale")
-            # Not Dynamo inputs: AOTAutograd accepts placeholders without a user source.
-            q._dynamo_source = s._dynamo_source = None
-            last_placeholder = s
-            quant_args, quant_inputs = (q, s), (n_inputs, n_inputs + 1)
-            n_inputs += 2
+            quant_args = (q, s)
+            if dequantized_weights and recipe.fprop.is_fp8:
+                with graph.inserting_after(s):
+                    quant_args += (graph.placeholder(f"{w.name}_fp8_dequantized"),)
+            for p in quant_args:  # not Dynamo inputs: AOTAutograd accepts placeholders without a source
+                p._dynamo_source = None
+            last_placeholder = quant_args[-1]
+            quant_inputs = tuple(range(n_inputs, n_inputs + len(quant_args)))
+            n_inputs += len(quant_args)
         with graph.inserting_before(node):
             new = graph.call_function(
                 linear_with_quantized_weight,

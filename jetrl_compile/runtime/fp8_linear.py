@@ -37,11 +37,11 @@ BF16 = torch.bfloat16
 
 class _RecipeLinear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, weight_q, weight_s, fprop: str, dgrad: str, wgrad: str):
+    def forward(ctx, x, weight, bias, weight_q, weight_s, weight_deq, fprop: str, dgrad: str, wgrad: str):
         x2 = x.reshape(-1, x.shape[-1]).to(BF16)
         b = bias.to(BF16) if bias is not None else None
         if fprop == "fp8":
-            y = fp8_gemm(quantize_groupwise(x2), Quantized(weight_q, weight_s), b)
+            y = fp8_gemm(quantize_groupwise(x2), Quantized(weight_q, weight_s), b, b_dequantized=weight_deq)
         else:
             y = F.linear(x2, weight.to(BF16), b)
         ctx.save_for_backward(x2, weight, weight_q, weight_s)
@@ -69,7 +69,7 @@ class _RecipeLinear(torch.autograd.Function):
             dw = dw.to(weight.dtype)
         if ctx.bias_dtype is not None and ctx.needs_input_grad[2]:
             db = dy.reshape(-1, dy.shape[-1]).float().sum(0).to(ctx.bias_dtype)
-        return dx, dw, db, None, None, None, None, None
+        return dx, dw, db, None, None, None, None, None, None
 
 
 def linear_with_quantized_weight(
@@ -78,15 +78,18 @@ def linear_with_quantized_weight(
     bias: torch.Tensor | None,
     weight_q: torch.Tensor | None,
     weight_s: torch.Tensor | None,
+    weight_deq: torch.Tensor | None = None,
     *,
     fprop: str,
     dgrad: str,
     wgrad: str,
 ) -> torch.Tensor:
     """The op the compiler pass inserts: ``weight_q``/``weight_s`` are the cached 128 x 128
-    quantization of ``weight`` (None when no GEMM of the recipe is FP8); gradients flow to
-    ``weight``, the master parameter. Precisions are plain strings so graphs print and cache."""
-    return _RecipeLinear.apply(x, weight, bias, weight_q, weight_s, fprop, dgrad, wgrad)
+    quantization of ``weight`` (None when no GEMM of the recipe is FP8) and ``weight_deq`` its
+    cached BF16 dequantization for the emulated fprop (None: dequantize in the graph); gradients
+    flow to ``weight``, the master parameter. Precisions are plain strings so graphs print and
+    cache."""
+    return _RecipeLinear.apply(x, weight, bias, weight_q, weight_s, weight_deq, fprop, dgrad, wgrad)
 
 
 def fp8_linear(

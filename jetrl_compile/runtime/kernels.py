@@ -25,23 +25,30 @@ import torch.nn.functional as F
 from .quantize import GROUP, Quantized, block_scale_shape, dequantize
 
 
-def fp8_gemm(a: Quantized, b: Quantized, bias: torch.Tensor | None = None) -> torch.Tensor:
+def fp8_gemm(
+    a: Quantized, b: Quantized, bias: torch.Tensor | None = None, b_dequantized: torch.Tensor | None = None
+) -> torch.Tensor:
     """``bf16(deq(a) @ deq(b)^T + bias)``, the GEMM definition of DESIGN.md section 4.
 
     ``bias`` (BF16) is added to the float32 accumulator before the one rounding to BF16.
+    ``b_dequantized``, when given, is ``dequantize(*b)`` made earlier (the weight cache keeps it
+    per optimizer step); the emulation then skips dequantizing the weight on every call.
     """
     if _use_cuda_blockwise(a, b):
         y = _scaled_mm_blockwise(a, b)
         return y if bias is None else y + bias
-    return F.linear(dequantize(*a), dequantize(*b), bias)
+    return F.linear(dequantize(*a), dequantize(*b) if b_dequantized is None else b_dequantized, bias)
+
+
+def uses_emulation(device: torch.device | str) -> bool:
+    """Whether fprop GEMMs on ``device`` run the emulation (and so can use a dequantized weight)."""
+    device = torch.device(device)
+    return not (device.type == "cuda" and _cuda_blockwise_enabled(device.index or 0))
 
 
 def kernel_name(device: torch.device | str) -> str:
     """Which kernel ``fp8_gemm`` uses for fprop-layout operands on ``device`` (for reports)."""
-    device = torch.device(device)
-    if device.type == "cuda" and _cuda_blockwise_enabled(device.index or 0):
-        return "cuda-scaled_mm-blockwise"
-    return "emulated (dequantize + bf16 matmul)"
+    return "emulated (dequantize + bf16 matmul)" if uses_emulation(device) else "cuda-scaled_mm-blockwise"
 
 
 @functools.cache

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .quantize import Quantized, quantize_blockwise
+from .quantize import Quantized, dequantize, quantize_blockwise
 
 
 @dataclass
@@ -22,6 +22,7 @@ class _Entry:
     param: weakref.ref
     stamp: tuple
     quantized: Quantized
+    dequantized: torch.Tensor | None = None
 
 
 def _stamp(param: torch.Tensor) -> tuple:
@@ -37,6 +38,17 @@ class WeightCache:
 
     def get(self, param: torch.Tensor) -> Quantized:
         """The current quantization of ``param`` (re-quantized only if it changed)."""
+        return self._entry(param).quantized
+
+    def get_dequantized(self, param: torch.Tensor) -> torch.Tensor:
+        """``dequantize(*get(param))`` in BF16, made once per quantization: the exact operand the
+        emulated FP8 GEMM multiplies by, so decode does not dequantize every weight per token."""
+        entry = self._entry(param)
+        if entry.dequantized is None:
+            entry.dequantized = dequantize(*entry.quantized, torch.bfloat16)
+        return entry.dequantized
+
+    def _entry(self, param: torch.Tensor) -> _Entry:
         entry = self._entries.get(id(param))
         stamp = _stamp(param)
         if entry is None or entry.param() is not param or entry.stamp != stamp:
@@ -45,7 +57,7 @@ class WeightCache:
             entry = _Entry(weakref.ref(param), stamp, quantized)
             self._entries[id(param)] = entry
             self.quantizations += 1
-        return entry.quantized
+        return entry
 
     def clear(self) -> None:
         self._entries.clear()
