@@ -37,6 +37,14 @@ def tiny_model(family: str = "llama", layers: int = 1, seed: int = 0, dtype=torc
     return model.to(dtype)
 
 
+def assert_same_quantization(a, b):
+    """Two (payload, scale) pairs are bitwise equal (FP8 payloads compared as bytes)."""
+    (qa, sa), (qb, sb) = a, b
+    assert qa.shape == qb.shape and sa.shape == sb.shape
+    assert torch.equal(qa.cpu().view(torch.uint8), qb.cpu().view(torch.uint8))
+    assert torch.equal(sa.cpu(), sb.cpu())
+
+
 @pytest.fixture
 def make_model():
     return tiny_model

@@ -6,6 +6,7 @@ import torch.nn.functional as F
 
 from jetrl_compile.runtime import dequantize, quantize_blockwise, quantize_groupwise
 from jetrl_compile.runtime import kernels
+from tests.conftest import assert_same_quantization
 
 pytestmark = [
     pytest.mark.cuda,
@@ -38,6 +39,4 @@ def test_blockwise_scaled_mm_matches_emulation_within_summation_error(scaled_mm_
 def test_emulation_on_cuda_equals_cpu_bitwise_for_the_quantizer():
     torch.manual_seed(1)
     w = torch.randn(300, 200)
-    q_cpu, s_cpu = quantize_blockwise(w)
-    q_gpu, s_gpu = quantize_blockwise(w.cuda())
-    assert torch.equal(q_cpu.view(torch.uint8), q_gpu.cpu().view(torch.uint8)) and torch.equal(s_cpu, s_gpu.cpu())
+    assert_same_quantization(quantize_blockwise(w), quantize_blockwise(w.cuda()))
