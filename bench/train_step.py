@@ -53,9 +53,7 @@ class SavedBytes:
 def gemm_weight_bytes(model) -> int:
     cache = jetrl_compile.unified_state(model).cache
     if len(cache):
-        entries = cache._entries.values()
-        fp8 = sum(e.quantized.data.numel() + e.quantized.scale.numel() * 4 for e in entries)
-        return fp8 + sum(e.dequantized.numel() * 2 for e in entries if e.dequantized is not None)
+        return cache.nbytes()
     return sum(m.weight.numel() * 2 for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and "lm_head" not in n)
 
 

@@ -241,7 +241,7 @@ class JetrlBackend:
             dump.write_graph(record.graph_id, "dynamo_after", gm)
 
         # (weight placeholder index, whether the site also takes the dequantized weight)
-        weight_inputs = [(s.weight_input, len(s.quant_inputs) == 3) for s in record.rewrite.rewritten if s.quant_inputs]
+        weight_inputs = [(s.weight_input, s.dequantized_input is not None) for s in record.rewrite.rewritten if s.quant_inputs]
         cache = state.cache
 
         def quantized_inputs(args) -> list[torch.Tensor]:
@@ -301,7 +301,7 @@ class JetrlBackend:
         inference = bool(kwargs.get("is_inference"))
         # The cached BF16 dequantizations of FP8 weights enter the graph as inputs: they count as
         # FP8 operands (their values are exactly the FP8 payload times its power-of-two scale).
-        fp8_inputs = {s.quant_inputs[2] for s in record.rewrite.rewritten if s.quant_inputs and len(s.quant_inputs) == 3}
+        fp8_inputs = {s.dequantized_input for s in record.rewrite.rewritten} - {None}
         gemms = gemms_in_graph(aot_gm, "backward" if backward else "forward", fp8_inputs)
         if backward:
             record.backward, record.backward_has_fp8 = gemms, graph_has_fp8(aot_gm)

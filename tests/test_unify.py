@@ -132,6 +132,11 @@ def test_cpu_fprop_reads_the_cached_dequantized_weight(trained):
     w = model.model.layers[0].mlp.down_proj.weight
     assert torch.equal(state.cache.get_dequantized(w), dequantize(*state.cache.get(w)))
     assert state.cache.get_dequantized(w) is state.cache.get_dequantized(w), "made once per step"
+    weights = [m.weight for m in model.modules() if isinstance(m, nn.Linear) and m is not model.lm_head]
+    for p in weights:
+        state.cache.get_dequantized(p)
+    scales = sum(state.cache.get(p).scale.numel() * 4 for p in weights)
+    assert state.cache.nbytes() == 3 * sum(p.numel() for p in weights) + scales, "FP8 payload + BF16 copy"
 
 
 def test_weights_quantized_once_per_optimizer_step(trained):

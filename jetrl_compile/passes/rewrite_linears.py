@@ -58,6 +58,11 @@ class LinearSite:
     weight_input: int | None = None  # placeholder index of the weight
     quant_inputs: tuple[int, ...] | None = None  # placeholder indices of (W_q, W_s[, W_deq]) when added
 
+    @property
+    def dequantized_input(self) -> int | None:
+        """Placeholder index of ``W_deq`` (the cached BF16 dequantization), when the site has one."""
+        return self.quant_inputs[2] if self.quant_inputs and len(self.quant_inputs) == 3 else None
+
 
 @dataclass
 class RewriteResult:

@@ -61,7 +61,7 @@ def _cuda_blockwise_enabled(device_index: int) -> bool:
 def _use_cuda_blockwise(a: Quantized, b: Quantized) -> bool:
     if a.data.device.type != "cuda" or not _cuda_blockwise_enabled(a.data.device.index or 0):
         return False
-    (m, k), (n, _) = a.data.shape, b.data.shape
+    k, n = a.data.shape[1], b.data.shape[0]
     blockwise_b = tuple(b.scale.shape) == block_scale_shape(b.data.shape)
     return blockwise_b and k % GROUP == 0 and n % GROUP == 0
 

@@ -59,6 +59,13 @@ class WeightCache:
             self.quantizations += 1
         return entry
 
+    def nbytes(self) -> int:
+        """Bytes held: FP8 payloads, float32 scales and any BF16 dequantized copies."""
+        return sum(
+            e.quantized.data.nbytes + e.quantized.scale.nbytes + (e.dequantized.nbytes if e.dequantized is not None else 0)
+            for e in self._entries.values()
+        )
+
     def clear(self) -> None:
         self._entries.clear()
 
