@@ -69,3 +69,26 @@ def write_result(name: str, command: str, body: str) -> Path:
     path.write_text(text)
     print(text)
     return path
+
+
+def run_in_subprocess(script: str, worker_arg: str, extra: list[str]) -> dict:
+    """Run ``script --worker worker_arg *extra`` in a fresh process (one in-process vLLM engine per
+    process) and return the JSON it prints on a ``RESULT`` line."""
+    import json
+    import subprocess
+    import sys
+
+    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0")
+    proc = subprocess.run([sys.executable, script, "--worker", worker_arg, *extra], capture_output=True, text=True, env=env)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    if proc.returncode or not lines:
+        print(proc.stderr[-3000:], file=sys.stderr)
+        raise SystemExit(f"{Path(script).name} {worker_arg} failed (exit {proc.returncode})")
+    return json.loads(lines[-1].removeprefix("RESULT "))
+
+
+def report(result: dict) -> None:
+    """The worker side of ``run_in_subprocess``."""
+    import json
+
+    print("RESULT " + json.dumps(result), flush=True)

@@ -48,3 +48,17 @@ def assert_same_quantization(a, b):
 @pytest.fixture
 def make_model():
     return tiny_model
+
+
+class ByteTokenizer:
+    """A tokenizer for tiny random models: one token per UTF-8 byte; byte 0 is EOS and padding."""
+
+    eos_token_id = 0
+    pad_token_id = 0
+    chat_template = None
+
+    def __call__(self, text: str) -> dict:
+        return {"input_ids": list(text.encode())}
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        return bytes(i for i in ids if i != 0 or not skip_special_tokens).decode("utf-8", errors="replace")

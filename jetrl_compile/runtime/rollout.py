@@ -1,0 +1,262 @@
+"""Rollout engines: sample completions with the logprob of every sampled token, and take the
+trainer's new weights after each optimizer step.
+
+``VllmEngine`` owns a colocated, in-process vLLM ``LLM`` that loads ``export_vllm``'s checkpoint
+(our ``jetrl`` quantization method runs the trainer's linear op) and ``sync``s by pushing the
+trainer's cached (payload, scale) pairs into the running model in place. ``HfEngine`` samples
+with transformers' ``generate`` on the unified model itself, for machines without vLLM. Both
+have the same interface; ``make_engine`` picks one.
+
+Logprobs are "raw": ``log_softmax`` of the model's logits before temperature or other sampling
+processors, which is what the trainer recomputes.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+
+from ..export import engine_dtype, export_vllm, rollout_recipe_and_cache, rollout_tensors, validate_export
+from ..recipes import Recipe
+
+
+@dataclass
+class Completion:
+    """One sampled completion: its tokens (ending with EOS if it stopped) and their logprobs."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str  # "stop" (EOS) or "length"
+
+
+class RolloutEngine:
+    """The interface of both engines."""
+
+    name: str
+    recipe: Recipe
+
+    def generate(
+        self, prompts: list[list[int]], *, n: int = 1, max_new_tokens: int = 64, temperature: float = 1.0, seed: int = 0
+    ) -> list[list[Completion]]:
+        """``n`` completions for each prompt (token ids), deterministic for a given ``seed`` and weights."""
+        raise NotImplementedError
+
+    def sync(self, model: nn.Module) -> float:
+        """Make the engine sample from ``model``'s current weights; returns the seconds it took."""
+        raise NotImplementedError
+
+    def close(self) -> None:
+        pass
+
+
+def vllm_available() -> bool:
+    try:
+        import vllm  # noqa: F401
+    except Exception:  # noqa: BLE001 - a broken install (e.g. CUDA torchvision on CPU) counts as absent
+        return False
+    return True
+
+
+def make_engine(model: nn.Module, engine: str = "auto", **kwargs) -> RolloutEngine:
+    """``engine="vllm"``, ``"hf"``, or ``"auto"`` (vLLM when importable, else transformers)."""
+    if engine == "auto":
+        engine = "vllm" if vllm_available() else "hf"
+    if engine == "vllm":
+        return VllmEngine(model, **kwargs)
+    if engine == "hf":
+        kwargs = {k: v for k, v in kwargs.items() if k in ("eos_token_id", "pad_token_id", "tokenizer")}
+        return HfEngine(model, **kwargs)
+    raise ValueError(f"rollout engine {engine!r} is unknown; choose vllm, hf or auto")
+
+
+def _tensor_signature(model: nn.Module) -> dict[str, tuple]:
+    return {name: (tuple(p.shape), p.dtype) for name, p in model.named_parameters()}
+
+
+class VllmEngine(RolloutEngine):
+    """In-process vLLM on the trainer's exported rollout weights."""
+
+    name = "vllm"
+
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        tokenizer=None,
+        recipe: str | Recipe | None = None,
+        workdir: str | Path | None = None,
+        max_model_len: int | None = None,
+        max_num_batched_tokens: int = 16384,
+        kv_cache_gib: int = 1,
+        enforce_eager: bool = True,
+        seed: int = 0,
+        dtype: torch.dtype | None = None,
+        eos_token_id: int | None = None,
+        pad_token_id: int | None = None,
+    ):
+        if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "0") != "0":
+            raise RuntimeError(
+                "VllmEngine runs vLLM in this process (to push weights in place); unset "
+                "VLLM_ENABLE_V1_MULTIPROCESSING or set it to 0"
+            )
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        self.recipe, _ = rollout_recipe_and_cache(model, recipe)
+        self._recipe_arg = recipe
+        self.workdir = Path(workdir) if workdir is not None else Path(tempfile.mkdtemp(prefix="jetrl-rollout-"))
+        os.environ.setdefault("VLLM_CACHE_ROOT", str(self.workdir / "vllm-cache"))
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(int(kv_cache_gib)))
+        self.eos_token_id = eos_token_id if eos_token_id is not None else _first(getattr(model.config, "eos_token_id", None))
+        if max_model_len is None:  # the model's context, capped: vLLM reserves KV cache for it
+            max_model_len = min(int(getattr(model.config, "max_position_embeddings", 2048)), 2048)
+        self.dtype = engine_dtype(model, dtype)
+        self.export_dir = export_vllm(model, self.workdir / "rollout-weights", tokenizer=tokenizer, recipe=recipe, dtype=self.dtype)
+        validate_export(self.export_dir)
+        self._signature = _tensor_signature(model)
+        self.max_num_batched_tokens = max(max_num_batched_tokens, max_model_len)
+
+        from vllm import LLM
+
+        self.llm = LLM(
+            model=str(self.export_dir),
+            skip_tokenizer_init=tokenizer is None,
+            dtype=str(self.dtype).removeprefix("torch."),
+            enforce_eager=enforce_eager,
+            max_model_len=max_model_len,
+            max_num_batched_tokens=max(max_num_batched_tokens, max_model_len),
+            seed=seed,
+            logprobs_mode="raw_logprobs",
+        )
+
+    @property
+    def worker(self):
+        """vLLM's in-process worker (the object with ``reload_weights`` and the model)."""
+        return self.llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker
+
+    @property
+    def vllm_model(self) -> nn.Module:
+        return self.worker.model_runner.model
+
+    def generate(self, prompts, *, n=1, max_new_tokens=64, temperature=1.0, seed=0):
+        from vllm import SamplingParams
+
+        params = [
+            SamplingParams(
+                n=n, max_tokens=max_new_tokens, temperature=temperature, logprobs=0, seed=seed + i,
+                detokenize=False, stop_token_ids=[] if self.eos_token_id is None else [self.eos_token_id],
+            )
+            for i in range(len(prompts))
+        ]
+        outputs = []
+        for chunk in self._prefill_chunks(prompts, n):
+            outputs += self.llm.generate(
+                [{"prompt_token_ids": list(prompts[i])} for i in chunk], [params[i] for i in chunk], use_tqdm=False
+            )
+        result = []
+        for out in outputs:
+            group = []
+            for o in out.outputs:
+                lps = [step[tok].logprob for tok, step in zip(o.token_ids, o.logprobs)]
+                group.append(Completion(list(o.token_ids), lps, "stop" if o.finish_reason == "stop" else "length"))
+            result.append(group)
+        return result
+
+    def _prefill_chunks(self, prompts, n: int) -> list[list[int]]:
+        """Prompt indices split so that each ``generate`` call prefills in one scheduler step.
+        vLLM 0.32 on CPU crashes when a seeded request's prefill is split across steps
+        (``CPU Generator does not use offset``); per-request seeds keep the samples independent
+        of how requests are grouped, so splitting changes nothing else."""
+        chunks, current, tokens = [], [], 0
+        for i, p in enumerate(prompts):
+            cost = len(p) * n
+            if cost > self.max_num_batched_tokens:
+                raise ValueError(
+                    f"prompt {i} ({len(p)} tokens) x n={n} exceeds max_num_batched_tokens="
+                    f"{self.max_num_batched_tokens}; raise it or lower the group size"
+                )
+            if current and tokens + cost > self.max_num_batched_tokens:
+                chunks.append(current)
+                current, tokens = [], 0
+            current.append(i)
+            tokens += cost
+        return chunks + ([current] if current else [])
+
+    def sync(self, model: nn.Module) -> float:
+        """Push the trainer's current rollout weights (all shards and scales of every layer
+        together) into the running engine, in place; then drop cached prefixes."""
+        signature = _tensor_signature(model)
+        if signature != self._signature:
+            diff = sorted(set(signature.items()) ^ set(self._signature.items()))[:3]
+            raise ValueError(
+                f"sync refused: the model's parameters differ from the ones this engine was built for "
+                f"(first differences: {diff}); build a new engine for another architecture"
+            )
+        start = time.perf_counter()
+        tensors = list(rollout_tensors(model, self._recipe_arg, dtype=self.dtype))
+        self.worker.reload_weights(weights_iterator=tensors, is_checkpoint_format=True)
+        self.llm.reset_prefix_cache()
+        return time.perf_counter() - start
+
+    def close(self) -> None:
+        llm, self.llm = getattr(self, "llm", None), None
+        if llm is not None:
+            llm.llm_engine.engine_core.shutdown()
+
+
+class HfEngine(RolloutEngine):
+    """transformers ``generate`` on the unified model: the trainer's own compiled forward."""
+
+    name = "hf"
+
+    def __init__(self, model: nn.Module, *, tokenizer=None, eos_token_id: int | None = None, pad_token_id: int | None = None):
+        self.model = model
+        self.recipe, _ = rollout_recipe_and_cache(model)
+        config = model.config
+        self.eos_token_id = eos_token_id if eos_token_id is not None else _first(getattr(config, "eos_token_id", None))
+        pad = pad_token_id if pad_token_id is not None else getattr(tokenizer, "pad_token_id", None)
+        self.pad_token_id = pad if pad is not None else (self.eos_token_id if self.eos_token_id is not None else 0)
+
+    def generate(self, prompts, *, n=1, max_new_tokens=64, temperature=1.0, seed=0):
+        model = self.model
+        device = next(model.parameters()).device
+        width = max(len(p) for p in prompts)
+        ids = torch.full((len(prompts), width), self.pad_token_id, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for i, p in enumerate(prompts):  # left padding: every prompt ends where generation starts
+            ids[i, width - len(p):] = torch.tensor(p)
+            mask[i, width - len(p):] = 1
+        with torch.random.fork_rng(devices=[]), torch.no_grad():
+            torch.manual_seed(seed)
+            out = model.generate(
+                input_ids=ids.to(device), attention_mask=mask.to(device), do_sample=True, temperature=temperature,
+                top_k=0, top_p=1.0, max_new_tokens=max_new_tokens, num_return_sequences=n,
+                eos_token_id=self.eos_token_id, pad_token_id=self.pad_token_id,
+                output_logits=True, return_dict_in_generate=True,
+            )
+        tokens = out.sequences[:, width:].cpu()
+        logits = torch.stack(out.logits, dim=1).float().cpu()  # (B*n, T, V): raw, before temperature
+        logprobs = logits.log_softmax(-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+        result = []
+        for i in range(len(prompts)):
+            group = []
+            for j in range(n):
+                row, lp = tokens[i * n + j].tolist(), logprobs[i * n + j].tolist()
+                stopped = self.eos_token_id in row
+                end = row.index(self.eos_token_id) + 1 if stopped else len(row)
+                group.append(Completion(row[:end], lp[:end], "stop" if stopped else "length"))
+            result.append(group)
+        return result
+
+    def sync(self, model: nn.Module) -> float:
+        if model is not self.model:
+            raise ValueError("HfEngine samples from the model it was built with; sync it with that same model")
+        return 0.0  # it reads the trainer's parameters (and weight cache) directly
+
+
+def _first(x):
+    return x[0] if isinstance(x, (list, tuple)) else x
