@@ -1,0 +1,282 @@
+"""The GRPO loop on one precision flow.
+
+Per step, as in the paper's algorithm:
+
+1. ``sample_prompts``: a batch of problems from the task;
+2. ``rollout``: G completions per prompt from the engine (vLLM running the trainer's FP8 op),
+   with the logprob of every sampled token;
+3. ``score``: exact-answer + format rewards;
+4. ``group_advantages``: rewards normalised within each prompt's group;
+5. ``policy_update``: the trainer (the unified model: FP32 master weights, every GEMM from the
+   recipe's BF16/FP8 copies) recomputes the sampled tokens' logprobs, takes the clipped policy
+   loss against the rollout's logprobs, and steps AdamW; a non-finite loss or gradient refuses
+   the step (weights and optimizer state untouched);
+6. ``engine.sync``: the new quantized weights go into the engine in place.
+
+The trainer's recomputed logprobs double as the rollout/trainer mismatch measurement.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import random
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ..models import load_model
+from ..runtime.rollout import Completion, make_engine
+from ..unify import unify
+from .checkpoint import latest_checkpoint, load_checkpoint, restore_rng, save_checkpoint
+from .config import GrpoConfig
+from .grpo import clipped_policy_loss, group_advantages
+from .logprobs import token_logprobs
+from .mismatch import mismatch_metrics
+from .plot import plot_metrics
+from .tasks import Problem, Task, make_task
+
+log = logging.getLogger("jetrl_compile.grpo")
+MAX_GRAD_NORM = 1.0
+
+
+@dataclass
+class UpdateStats:
+    applied: bool
+    loss: float
+    grad_norm: float
+    clip_frac: float
+    mismatch: dict
+
+
+class EngineFailure(RuntimeError):
+    pass
+
+
+def sample_prompts(task: Task, tokenizer, batch_size: int) -> tuple[list[Problem], list[list[int]]]:
+    problems = [task.sample() for _ in range(batch_size)]
+    return problems, [task.prompt_ids(tokenizer, p) for p in problems]
+
+
+def rollout(engine, prompts, cfg: GrpoConfig, step: int, counters: dict) -> list[list[Completion]]:
+    """G completions per prompt; an engine error is retried once, then raised as EngineFailure."""
+    seed = cfg.seed * 1_000_003 + step * 10_007
+    for attempt in (1, 2):
+        try:
+            return engine.generate(prompts, n=cfg.group_size, max_new_tokens=cfg.max_new_tokens,
+                                   temperature=cfg.temperature, seed=seed)
+        except Exception as e:  # noqa: BLE001 - any engine error: retry once, then stop cleanly
+            counters["engine_retries"] += 1
+            log.warning("rollout engine %s failed at step %d (attempt %d): %s", engine.name, step + 1, attempt, e)
+            if attempt == 2:
+                raise EngineFailure(f"rollout engine {engine.name} failed twice at step {step + 1}: {e}") from e
+    raise AssertionError("unreachable")
+
+
+def score(task: Task, tokenizer, problems: list[Problem], groups: list[list[Completion]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rewards, correct), each of shape (prompts, G)."""
+    rewards, correct = [], []
+    for problem, group in zip(problems, groups):
+        scored = [task.score(tokenizer.decode(c.token_ids, skip_special_tokens=True), problem) for c in group]
+        rewards.append([r for r, _ in scored])
+        correct.append([float(ok) for _, ok in scored])
+    return torch.tensor(rewards, dtype=torch.float64), torch.tensor(correct)
+
+
+def policy_update(model, optimizer, prompts, groups, advantages: torch.Tensor, cfg: GrpoConfig, pad_token_id: int,
+                  ref_model=None) -> UpdateStats:
+    """One optimizer step on the clipped policy loss, token-level mean over the whole batch,
+    accumulated over micro-batches. Refused (no step) if the loss or gradient is not finite."""
+    items = [(p, c, advantages[i, j]) for i, (p, g) in enumerate(zip(prompts, groups)) for j, c in enumerate(g) if c.token_ids]
+    total_tokens = sum(len(c.token_ids) for _, c, _ in items)
+    optimizer.zero_grad(set_to_none=True)
+    loss_sum, clipped, new_all, old_all = 0.0, 0, [], []
+    for start in range(0, len(items), cfg.micro_batch):
+        chunk = items[start : start + cfg.micro_batch]
+        mb_prompts, mb_tokens = [p for p, _, _ in chunk], [c.token_ids for _, c, _ in chunk]
+        new = token_logprobs(model, mb_prompts, mb_tokens, pad_token_id=pad_token_id, max_new_tokens=cfg.max_new_tokens)
+        old = [torch.tensor(c.logprobs) for _, c, _ in chunk]
+        ref = None
+        if ref_model is not None and cfg.beta:
+            with torch.no_grad():
+                ref = token_logprobs(ref_model, mb_prompts, mb_tokens, pad_token_id=pad_token_id, max_new_tokens=cfg.max_new_tokens)
+        parts = clipped_policy_loss(new, old, torch.stack([a for _, _, a in chunk]), clip_eps=cfg.clip_eps, ref_logprobs=ref, beta=cfg.beta)
+        (parts.loss_sum / total_tokens).backward()
+        loss_sum += parts.loss_sum.item()
+        clipped += parts.clipped
+        new_all += [n.detach() for n in new]
+        old_all += old
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_GRAD_NORM).item()
+    applied = math.isfinite(loss_sum) and math.isfinite(grad_norm)
+    if applied:
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return UpdateStats(applied, loss_sum / total_tokens, grad_norm, clipped / total_tokens, mismatch_metrics(old_all, new_all))
+
+
+def train(cfg: GrpoConfig, *, model=None, tokenizer=None, task: Task | None = None, progress: bool = True) -> list[dict]:
+    """Run GRPO as ``cfg`` says; returns the metrics of the steps run in this call."""
+    out = Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+    metrics_path = out / "metrics.jsonl"
+    torch.manual_seed(cfg.seed)
+    random.seed(cfg.seed)
+    if model is None:
+        model, tokenizer = load_model(cfg.model, dtype=torch.float32)
+    model.float()  # FP32 master weights; every GEMM runs from the recipe's BF16/FP8 copies
+    model.config.use_cache = False
+    task = task or make_task(cfg.task, seed=cfg.seed, data=cfg.data, difficulty=cfg.difficulty)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    ref_model = _reference_copy(model, cfg) if cfg.beta else None
+    unify(model, cfg.recipe, mode=cfg.trainer_mode, dynamic=True if cfg.trainer_mode == "compile" else None)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
+
+    start, counters = 0, {"refused_steps": 0, "engine_retries": 0}
+    if cfg.resume:
+        path = latest_checkpoint(out)
+        if path is None:
+            raise FileNotFoundError(f"--resume: no checkpoint in {out / 'checkpoints'}; run without --resume to start")
+        state = load_checkpoint(path, cfg.run_defining())
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        task.load_state_dict(state["task"])
+        restore_rng(state)
+        start, counters = state["step"], state["counters"]
+        _truncate_metrics(metrics_path, start)
+        log.info("resumed %s at step %d", path, start)
+    elif latest_checkpoint(out) is not None:
+        raise FileExistsError(f"{out} already holds a run (checkpoints/); pass --resume to continue it or choose another --out")
+    else:
+        metrics_path.write_text("")
+    (out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
+
+    hf_tokenizer = tokenizer if hasattr(tokenizer, "save_pretrained") else None
+    engine = make_engine(model, cfg.engine, tokenizer=hf_tokenizer, workdir=out / "engine", seed=cfg.seed,
+                         eos_token_id=tokenizer.eos_token_id, pad_token_id=pad)
+    bar = _progress(cfg, start) if progress else None
+    done = start
+    task_state = task.state_dict()
+
+    def checkpoint() -> Path:  # the state after the last completed step
+        return save_checkpoint(out, done, model, optimizer, task_state, cfg.run_defining(), counters)
+
+    new_metrics = []
+    try:
+        for step in range(start, cfg.steps):
+            t0 = time.perf_counter()
+            problems, prompts = sample_prompts(task, tokenizer, cfg.batch_size)
+            groups = rollout(engine, prompts, cfg, step, counters)
+            t1 = time.perf_counter()
+            rewards, correct = score(task, tokenizer, problems, groups)
+            advantages = group_advantages(rewards)
+            stats = policy_update(model, optimizer, prompts, groups, advantages, cfg, pad, ref_model)
+            done, task_state = step + 1, task.state_dict()  # from here a checkpoint holds this step
+            t2 = time.perf_counter()
+            sync_s = engine.sync(model) if stats.applied else 0.0
+            if not stats.applied:
+                counters["refused_steps"] += 1
+                log.warning("step %d refused: non-finite loss (%s) or gradient norm (%s); weights unchanged",
+                            done, stats.loss, stats.grad_norm)
+            row = _metrics_row(done, rewards, correct, groups, stats, t1 - t0, t2 - t1, sync_s, counters)
+            with metrics_path.open("a") as f:
+                f.write(json.dumps(row) + "\n")
+            new_metrics.append(row)
+            if bar is not None:
+                bar.update(1)
+                bar.set_postfix(reward=f"{row['reward_mean']:.3f}", acc=f"{row['accuracy']:.2f}",
+                                kl=f"{row['mismatch_kl']:.1e}", step_s=f"{row['step_s']:.1f}")
+            if done % cfg.save_every == 0 or done == cfg.steps:
+                checkpoint()
+            if done % cfg.plot_every == 0 or done == cfg.steps:
+                plot_metrics(metrics_path, out / "metrics.png", title=f"GRPO {cfg.recipe} ({cfg.task})")
+    except KeyboardInterrupt:
+        path = checkpoint()
+        raise SystemExit(f"interrupted: checkpoint of step {done} written to {path}; continue with --resume") from None
+    except EngineFailure as e:
+        path = checkpoint()
+        raise SystemExit(f"{e}\ncheckpoint of step {done} written to {path}; continue with --resume") from e
+    finally:
+        if bar is not None:
+            bar.close()
+        engine.close()
+    return new_metrics
+
+
+def _metrics_row(step, rewards, correct, groups, stats: UpdateStats, rollout_s, train_s, sync_s, counters) -> dict:
+    tokens = sum(len(c.token_ids) for g in groups for c in g)
+    step_s = rollout_s + train_s + sync_s
+    return {
+        "step": step,
+        "reward_mean": rewards.mean().item(),
+        "accuracy": correct.mean().item(),
+        "completion_tokens_mean": tokens / max(1, sum(len(g) for g in groups)),
+        "mismatch_kl": stats.mismatch["mismatch_kl"],
+        "logprob_abs_diff_mean": stats.mismatch["logprob_abs_diff_mean"],
+        "logprob_abs_diff_max": stats.mismatch["logprob_abs_diff_max"],
+        "ratio_outside_frac": stats.mismatch["ratio_outside_frac"],
+        "loss": stats.loss,
+        "grad_norm": stats.grad_norm,
+        "clip_frac": stats.clip_frac,
+        "refused": not stats.applied,
+        "refused_steps": counters["refused_steps"],
+        "rollout_s": rollout_s,
+        "train_s": train_s,
+        "sync_s": sync_s,
+        "step_s": step_s,
+        "tokens_per_s": tokens / step_s,
+    }
+
+
+def _truncate_metrics(path: Path, step: int) -> None:
+    """Drop metric lines logged after the checkpoint being resumed (they will be redone)."""
+    if not path.exists():
+        return
+    kept = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= step]
+    path.write_text("".join(line + "\n" for line in kept))
+
+
+def _reference_copy(model, cfg: GrpoConfig):
+    import copy
+
+    ref = copy.deepcopy(model).eval()
+    for p in ref.parameters():
+        p.requires_grad_(False)
+    return unify(ref, cfg.recipe, mode="eager")
+
+
+def _progress(cfg: GrpoConfig, start: int):
+    from tqdm.auto import tqdm
+
+    return tqdm(total=cfg.steps, initial=start, desc=f"GRPO {cfg.recipe}", unit="step", dynamic_ncols=True)
+
+
+def evaluate(cfg: GrpoConfig, *, model=None, tokenizer=None, task: Task | None = None) -> dict:
+    """Greedy accuracy on the task's held-out split (``cfg.limit`` problems), with the latest
+    checkpoint in ``cfg.out`` if there is one."""
+    if model is None:
+        model, tokenizer = load_model(cfg.model, dtype=torch.float32)
+    model.float()
+    task = task or make_task(cfg.task, seed=cfg.seed, data=cfg.data, difficulty=cfg.difficulty)
+    path = latest_checkpoint(cfg.out)
+    if path is not None:
+        model.load_state_dict(load_checkpoint(path, cfg.run_defining())["model"])
+    unify(model, cfg.recipe, mode="eager")
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    hf_tokenizer = tokenizer if hasattr(tokenizer, "save_pretrained") else None
+    engine = make_engine(model, cfg.engine, tokenizer=hf_tokenizer, workdir=Path(cfg.out) / "eval-engine",
+                         eos_token_id=tokenizer.eos_token_id, pad_token_id=pad)
+    try:
+        problems = task.eval_problems(cfg.limit)
+        groups = engine.generate([task.prompt_ids(tokenizer, p) for p in problems], n=1,
+                                 max_new_tokens=cfg.max_new_tokens, temperature=0.0, seed=cfg.seed)
+    finally:
+        engine.close()
+    _, correct = score(task, tokenizer, problems, groups)
+    result = {"accuracy": correct.mean().item(), "problems": len(problems), "checkpoint": str(path) if path else None,
+              "recipe": cfg.recipe, "task": cfg.task}
+    Path(cfg.out).mkdir(parents=True, exist_ok=True)
+    (Path(cfg.out) / "eval.json").write_text(json.dumps(result, indent=2))
+    return result

@@ -1,0 +1,210 @@
+"""The GRPO driver on tiny random models: formulas by hand, one step per recipe and engine,
+bit-exact resume, refused NaN steps, engine failures, checkpoints of another run, GSM8K parsing."""
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from jetrl_compile.rl import loop
+from jetrl_compile.rl.checkpoint import latest_checkpoint
+from jetrl_compile.rl.config import GrpoConfig
+from jetrl_compile.rl.grpo import clipped_policy_loss, group_advantages
+from jetrl_compile.rl.loop import train
+from jetrl_compile.rl.tasks import ArithmeticTask, Gsm8kTask, Problem, extract_answer, gsm8k_reference, reward
+from jetrl_compile.runtime.rollout import vllm_available
+from tests.conftest import ByteTokenizer, tiny_model
+from tests.test_export import VLLM_TINY
+
+REQUIRED = ["step", "reward_mean", "accuracy", "mismatch_kl", "logprob_abs_diff_mean", "rollout_s", "train_s", "sync_s", "tokens_per_s"]
+ENGINES = ["hf", pytest.param("vllm", marks=pytest.mark.skipif(not vllm_available(), reason="vLLM is not installed"))]
+
+
+def _cfg(tmp_path, **kw) -> GrpoConfig:
+    base = dict(steps=1, batch_size=2, group_size=2, max_new_tokens=6, lr=1e-3, trainer_mode="eager", engine="hf",
+                out=str(tmp_path / "run"), save_every=1, plot_every=1, micro_batch=3)
+    return GrpoConfig(**{**base, **kw})
+
+
+def _run(cfg, task=None, seed=0):
+    model = tiny_model("llama", layers=1, seed=seed, **VLLM_TINY)
+    return model, train(cfg, model=model, tokenizer=ByteTokenizer(), task=task, progress=False)
+
+
+def test_group_advantages_by_hand():
+    adv = group_advantages(torch.tensor([[1.0, 0.0, 0.0, 1.0], [0.5, 0.5, 0.5, 0.5]]))
+    std = math.sqrt(4 * 0.25 / 3)  # unbiased std of (1, 0, 0, 1)
+    expected = 0.5 / (std + 1e-4)
+    assert adv[0].tolist() == pytest.approx([expected, -expected, -expected, expected], rel=1e-6)
+    assert adv[1].tolist() == [0.0] * 4
+    with pytest.raises(ValueError, match="G >= 2"):
+        group_advantages(torch.ones(3, 1))
+
+
+def test_clipped_loss_by_hand():
+    new = [torch.tensor([math.log(1.5), math.log(0.9)])]
+    old = [torch.zeros(2)]
+    up = clipped_policy_loss(new, old, torch.tensor([1.0]), clip_eps=0.2)
+    # A > 0: min(r, clip(r)) -> 1.2 for r = 1.5 (clipped), 0.9 for r = 0.9
+    assert up.loss_sum.item() == pytest.approx(-(1.2 + 0.9)) and up.tokens == 2 and up.clipped == 1
+    down = clipped_policy_loss(new, old, torch.tensor([-2.0]), clip_eps=0.2)
+    # A < 0: min(-2r, -2 clip(r)) -> -3.0 for r = 1.5 (unclipped wins), -2 * 0.9 = -1.8 for r = 0.9
+    assert down.loss_sum.item() == pytest.approx(3.0 + 1.8) and down.clipped == 0
+    ref = [torch.tensor([0.0, math.log(0.9)])]
+    kl = clipped_policy_loss(new, old, torch.tensor([1.0]), ref_logprobs=ref, beta=0.5)
+    d = -math.log(1.5)
+    assert kl.loss_sum.item() == pytest.approx(up.loss_sum.item() + 0.5 * (math.exp(d) - 1 - d))
+
+
+def test_loss_gradient_raises_the_better_completion():
+    good, bad = torch.zeros(3, requires_grad=True), torch.zeros(2, requires_grad=True)
+    adv = group_advantages(torch.tensor([[1.0, 0.0]]))[0]
+    parts = clipped_policy_loss([good, bad], [torch.zeros(3), torch.zeros(2)], adv)
+    parts.loss_sum.backward()
+    assert (good.grad < 0).all() and (bad.grad > 0).all()  # descent raises good's logprobs, lowers bad's
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("recipe", ["bf16", "fp8_fwd_bf16_bwd", "jetrl", "fp8_rollout_only"])
+def test_one_step_end_to_end(tmp_path, recipe, engine):
+    cfg = _cfg(tmp_path, recipe=recipe, engine=engine)
+    model, metrics = _run(cfg)
+    assert len(metrics) == 1
+    row = metrics[0]
+    for key in REQUIRED:
+        assert key in row and math.isfinite(row[key]), key
+    assert row["step"] == 1 and not row["refused"]
+    out = Path(cfg.out)
+    assert json.loads((out / "metrics.jsonl").read_text().splitlines()[0])["step"] == 1
+    assert (out / "metrics.png").stat().st_size > 1000
+    assert latest_checkpoint(out).name == "step_000001.pt"
+    if recipe in ("bf16", "fp8_fwd_bf16_bwd", "jetrl"):
+        assert row["logprob_abs_diff_mean"] < 1e-3, row  # one precision flow: the engine samples the trainer's function
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_resume_continues_bit_for_bit(tmp_path, engine):
+    straight, _ = _run(_cfg(tmp_path / "a", steps=4, engine=engine))
+    _run(_cfg(tmp_path / "b", steps=2, engine=engine))
+    resumed, metrics = _run(_cfg(tmp_path / "b", steps=4, engine=engine, resume=True), seed=123)  # weights come from the checkpoint
+    assert [m["step"] for m in metrics] == [3, 4]
+    for (name, a), (_, b) in zip(straight.state_dict().items(), resumed.state_dict().items()):
+        assert torch.equal(a, b), name
+    lines = (tmp_path / "b" / "run" / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(l)["step"] for l in lines] == [1, 2, 3, 4]
+
+
+class PoisonedTask(ArithmeticTask):
+    """A reward bug: every score is NaN."""
+
+    def score(self, completion, problem):
+        return float("nan"), False
+
+
+def test_nan_step_is_refused_and_changes_nothing(tmp_path):
+    cfg = _cfg(tmp_path, steps=1)
+    model, _ = _run(cfg)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    opt_before = torch.load(latest_checkpoint(cfg.out), weights_only=False)["optimizer"]
+    cfg2 = _cfg(tmp_path, steps=2, resume=True)
+    model2, metrics = _run(cfg2, task=PoisonedTask(seed=0))
+    assert metrics[0]["refused"] and metrics[0]["refused_steps"] == 1
+    for k, v in model2.state_dict().items():
+        assert torch.equal(v, before[k]), k
+    opt_after = torch.load(latest_checkpoint(cfg.out), weights_only=False)["optimizer"]
+    for i, state in opt_before["state"].items():
+        assert torch.equal(state["exp_avg"], opt_after["state"][i]["exp_avg"])
+
+
+class FlakyEngine:
+    """Wraps an engine: its first ``failures`` generate calls raise."""
+
+    def __init__(self, engine, failures):
+        self.engine, self.failures, self.name = engine, failures, "flaky"
+
+    def generate(self, *a, **kw):
+        if self.failures:
+            self.failures -= 1
+            raise RuntimeError("engine fell over")
+        return self.engine.generate(*a, **kw)
+
+    def sync(self, model):
+        return self.engine.sync(model)
+
+    def close(self):
+        self.engine.close()
+
+
+def test_engine_error_is_retried_once_then_stops_with_a_checkpoint(tmp_path, monkeypatch):
+    real = loop.make_engine
+    monkeypatch.setattr(loop, "make_engine", lambda *a, **kw: FlakyEngine(real(*a, **kw), failures=1))
+    _, metrics = _run(_cfg(tmp_path / "once", steps=1))
+    assert len(metrics) == 1
+
+    monkeypatch.setattr(loop, "make_engine", lambda *a, **kw: FlakyEngine(real(*a, **kw), failures=99))
+    cfg = _cfg(tmp_path / "always", steps=2)
+    with pytest.raises(SystemExit, match="failed twice at step 1: engine fell over"):
+        _run(cfg)
+    assert latest_checkpoint(cfg.out).name == "step_000000.pt"
+
+
+def test_resume_refuses_another_runs_or_a_corrupt_checkpoint(tmp_path):
+    cfg = _cfg(tmp_path, steps=1)
+    _run(cfg)
+    with pytest.raises(FileExistsError, match="pass --resume"):
+        _run(cfg)
+    with pytest.raises(ValueError, match="belongs to another run: lr=0.001 there, 0.5 now"):
+        _run(_cfg(tmp_path, steps=2, resume=True, lr=0.5))
+    latest_checkpoint(cfg.out).write_bytes(b"not a checkpoint")
+    with pytest.raises(ValueError, match="cannot be read"):
+        _run(_cfg(tmp_path, steps=2, resume=True))
+    with pytest.raises(FileNotFoundError, match="no checkpoint"):
+        _run(_cfg(tmp_path / "empty", steps=2, resume=True))
+
+
+def test_gsm8k_lines_and_answer_extraction(tmp_path):
+    data = tmp_path / "gsm8k.jsonl"
+    rows = [
+        {"question": "Tom has 3 bags of 4 apples. How many apples?", "answer": "3 * 4 = <<3*4=12>>12\n#### 12"},
+        {"question": "A car costs $1,234 plus $6. Total?", "answer": "1234 + 6 = 1240\n#### 1,240"},
+        {"question": "Half of 7?", "answer": "7 / 2 = 3.5\n#### 3.5"},
+    ]
+    data.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    task = Gsm8kTask(data, seed=0, eval_path=data)
+    assert sorted(p.answer for p in task.problems) == ["12", "1240", "3.5"]
+    assert {task.sample().answer for _ in range(3)} == {"12", "1240", "3.5"}
+    assert gsm8k_reference("so #### -5") == "-5"
+    assert extract_answer("12 apples in all.\nAnswer: 12") == "12"
+    assert extract_answer("The total is $1,240.") == "1240"
+    assert extract_answer("x = 3\n#### 3.50") == "3.5"
+    assert extract_answer("no digits here") is None
+    assert reward("Answer: 12", Problem("q", "12")) == (1.1, True)
+    assert reward("it is 12", Problem("q", "12")) == (1.0, True)
+    assert reward("Answer: 13", Problem("q", "12")) == (pytest.approx(0.1), False)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps(rows[0]) + "\n" + json.dumps({"question": "q", "answer": "no marker"}) + "\n")
+    with pytest.raises(ValueError, match="bad.jsonl:2: not a GSM8K line"):
+        Gsm8kTask(bad)
+
+
+def test_arithmetic_task_is_seeded_and_resumable():
+    a, b = ArithmeticTask(seed=3), ArithmeticTask(seed=3)
+    assert [a.sample() for _ in range(5)] == [b.sample() for _ in range(5)]
+    state = a.state_dict()
+    nxt = [a.sample() for _ in range(3)]
+    c = ArithmeticTask(seed=99)
+    c.load_state_dict(state)
+    assert [c.sample() for _ in range(3)] == nxt
+    for p in ArithmeticTask(seed=1, difficulty=3).eval_problems(20):
+        assert p.answer.lstrip("-").isdigit()
+
+
+def test_help_documents_every_flag():
+    out = subprocess.run([sys.executable, "examples/train_grpo.py", "--help"], capture_output=True, text=True, check=True).stdout
+    for flag in ["--model", "--task", "--data", "--recipe", "--engine", "--steps", "--group-size", "--batch-size",
+                 "--max-new-tokens", "--lr", "--seed", "--out", "--resume", "--eval", "--limit"]:
+        assert flag in out, flag
