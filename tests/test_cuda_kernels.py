@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from jetrl_compile.runtime import dequantize, quantize_blockwise, quantize_groupwise
+from jetrl_compile.runtime import Quantized, dequantize, quantize_blockwise, quantize_groupwise
 from jetrl_compile.runtime import kernels
 from tests.conftest import assert_same_quantization
 
@@ -22,17 +22,31 @@ def scaled_mm_enabled(monkeypatch):
     kernels._cuda_blockwise_enabled.cache_clear()
 
 
+def _operands(layout, x, w, dy):
+    """fp8_gemm's (a, b) as fp8_linear builds them for each GEMM of a linear layer."""
+    if layout == "fprop":
+        return quantize_groupwise(x), quantize_blockwise(w)
+    if layout == "dgrad":
+        q, s = quantize_blockwise(w)
+        return quantize_groupwise(dy), Quantized(q.t(), s.t())
+    return quantize_groupwise(dy.t()), quantize_groupwise(x.t())
+
+
+@pytest.mark.parametrize("layout", ["fprop", "dgrad", "wgrad"])
 @pytest.mark.parametrize("m,k,n", [(128, 512, 256), (4096, 4096, 14336)])
-def test_blockwise_scaled_mm_matches_emulation_within_summation_error(scaled_mm_enabled, m, k, n):
+def test_blockwise_scaled_mm_matches_emulation_within_summation_error(scaled_mm_enabled, layout, m, k, n):
     if not scaled_mm_enabled:
-        pytest.skip("F.scaled_mm blockwise needs sm90+ and a torch that has it")
+        pytest.skip("cuBLAS blockwise scaling needs sm90")
     torch.manual_seed(0)
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(n, k, device="cuda") * k**-0.5
-    a, b = quantize_groupwise(x), quantize_blockwise(w)
+    dy = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
+    a, b = _operands(layout, x, w, dy)
+    assert kernels._use_cuda_blockwise(a, b)
     y = kernels.fp8_gemm(a, b)
-    ref = F.linear(dequantize(*a).double(), dequantize(*b).double())
-    tol = ref.abs() * 2.0**-8 + k * 2.0**-24 * (dequantize(*a).double().abs() @ dequantize(*b).double().abs().t())
+    da, db = dequantize(*a).double(), dequantize(*b).double()
+    ref = da @ db.t()
+    tol = ref.abs() * 2.0**-8 + da.shape[1] * 2.0**-24 * (da.abs() @ db.abs().t())
     assert torch.all((y.double() - ref).abs() <= tol)
 
 

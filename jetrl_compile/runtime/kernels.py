@@ -8,10 +8,12 @@
   (exact, because scales are powers of two) and run one BF16 matmul with float32 accumulation.
   Under torch.compile, Inductor fuses the dequantize into the loops that feed the matmul. This
   is not ``torch._scaled_mm``: on CPU that is a scalar reference loop, about 10,000x slower.
-- **CUDA sm90+** with ``torch.nn.functional.scaled_mm`` (cuBLAS blockwise 1x128 / 128x128 scaling):
-  a real FP8 tensor-core GEMM, for the fprop/dgrad layout (``b`` blockwise) when K and N are
-  multiples of 128. Off unless ``JETRL_FP8_KERNEL=scaled_mm`` until it has been checked against
-  the emulation on an H200 (``bench/gpu.sh``); other shapes and devices use the emulation.
+- **CUDA sm90** with cuBLAS blockwise scaling (``torch.nn.functional.scaled_mm``, or
+  ``torch._scaled_mm`` where torch has no ``F.scaled_mm``): a real FP8 tensor-core GEMM for
+  ``b`` in 128 x 128 blocks (fprop, dgrad) or in 1 x 128 groups (wgrad), when K and N are
+  multiples of 128. Off unless ``JETRL_FP8_KERNEL=scaled_mm`` until it has been
+  checked against the emulation on an H200 (``bench/gpu.sh`` does); other shapes and devices use
+  the emulation.
 """
 
 from __future__ import annotations
@@ -55,28 +57,47 @@ def kernel_name(device: torch.device | str) -> str:
 def _cuda_blockwise_enabled(device_index: int) -> bool:
     if os.environ.get("JETRL_FP8_KERNEL") != "scaled_mm" or not torch.cuda.is_available():
         return False
-    return torch.cuda.get_device_capability(device_index) >= (9, 0) and hasattr(F, "scaled_mm")
+    # cuBLAS's 1x128 / 128x128 scaling exists for sm90 only (and cuBLAS 12.9+).
+    return torch.cuda.get_device_capability(device_index)[0] == 9
 
 
 def _use_cuda_blockwise(a: Quantized, b: Quantized) -> bool:
     if a.data.device.type != "cuda" or not _cuda_blockwise_enabled(a.data.device.index or 0):
         return False
     k, n = a.data.shape[1], b.data.shape[0]
-    blockwise_b = tuple(b.scale.shape) == block_scale_shape(b.data.shape)
-    return blockwise_b and k % GROUP == 0 and n % GROUP == 0
+    b_layout_ok = tuple(b.scale.shape) in (block_scale_shape(b.data.shape), (n, k // GROUP))
+    return b_layout_ok and k % GROUP == 0 and n % GROUP == 0
+
+
+def _scaling_type(name: str):
+    """``ScalingType.BlockWise1x128`` (torch 2.13) is spelled ``Blockwise_1x128`` in some releases."""
+    from torch.nn.functional import ScalingType
+
+    for spelling in (name, name.replace("BlockWise", "Blockwise_")):
+        if hasattr(ScalingType, spelling):
+            return getattr(ScalingType, spelling)
+    raise RuntimeError(f"this torch's ScalingType has no {name}")
 
 
 def _scaled_mm_blockwise(a: Quantized, b: Quantized) -> torch.Tensor:
-    from torch.nn.functional import ScalingType
-
-    # cuBLAS wants the second operand column-major (b^T of a row-major (N, K) payload) and the
-    # 1x128 activation scales outer-dim-major.
-    return F.scaled_mm(
-        a.data,
-        b.data.t(),
-        a.scale.t().contiguous().t(),
-        ScalingType.BlockWise1x128,
-        b.scale,
-        ScalingType.BlockWise128x128,
-        output_dtype=torch.bfloat16,
-    )
+    """``a`` (M, K) in 1x128 groups times ``b`` (N, K) in 128x128 blocks or 1x128 groups, as
+    cuBLAS wants them: the second operand column-major (the transpose of a row-major ``b``),
+    1x128 scales outer-dim-major, and 128x128 scales as (round_up(K/128, 4), N/128) with stride
+    (1, round_up(K/128, 4)) (see ATen's ScaledBlas.cpp checks)."""
+    mat_b = b.data.contiguous().t()
+    scale_a = a.scale.t().contiguous().t()
+    blockwise_b = tuple(b.scale.shape) == block_scale_shape(b.data.shape)
+    if blockwise_b:
+        k_blocks = b.scale.shape[1]
+        scale_b = F.pad(b.scale, (0, -k_blocks % 4)).t()
+        recipe_b = "BlockWise128x128"
+    else:
+        scale_b = b.scale.t().contiguous().t()
+        recipe_b = "BlockWise1x128"
+    if hasattr(F, "scaled_mm"):
+        return F.scaled_mm(
+            a.data, mat_b, scale_a, _scaling_type("BlockWise1x128"), scale_b, _scaling_type(recipe_b),
+            output_dtype=torch.bfloat16,
+        )
+    # Older torch: _scaled_mm picks the blockwise kernel from the scales' shapes.
+    return torch._scaled_mm(a.data, mat_b, scale_a, scale_b, out_dtype=torch.bfloat16)

@@ -1,0 +1,378 @@
+"""The H200 run: CUDA kernels against the CPU emulation, then FP8 vs BF16 speed and memory.
+
+Run through ``bench/gpu.sh`` (which checks for CUDA first and sets the import path). Sections, in
+order, each guarded so that one failure is reported and the rest still run:
+
+1. ``kernels``: the quantizer on CUDA is bitwise the CPU quantizer; the emulated GEMM on CUDA
+   matches the CPU emulation within summation-order error; cuBLAS blockwise ``scaled_mm``
+   (fprop, dgrad and wgrad layouts) matches the float64 product of the dequantized operands
+   within BF16 rounding plus summation-order error. Only if every layout passes do the later
+   sections use the real FP8 kernel (``JETRL_FP8_KERNEL=scaled_mm``); otherwise they time the
+   emulation and say so.
+2. ``linear``: the 8B and 32B linear shapes at 4096 and 8192 tokens: BF16 ``F.linear`` vs the
+   recipe op, forward, and forward+backward per recipe. The activation quantize is compiled
+   (one fused Triton kernel), the weight quantized once outside the timed region, as the weight
+   cache does once per optimizer step.
+3. ``train_step``: a 1B-class Llama with random weights (no downloads), FP32 master weights,
+   AdamW, one step per recipe through ``unify(mode="eager")``: median step time, ratio to BF16,
+   peak memory, and the bytes of the rollout weight copies per recipe.
+4. ``decode``: tokens/s of the unified model's own generation path (transformers ``generate``),
+   BF16 vs FP8, on an 8B-class config with random BF16 weights.
+
+Every section writes its markdown table to ``OUT/gpu.md`` as soon as it finishes (a run cut short
+still leaves what it measured) and the raw numbers to ``OUT/gpu.json``.
+
+    bash bench/gpu.sh /tmp/gpu-results           # on the H200
+    python bench/gpu.py --smoke --out /tmp/g     # CPU: tiny shapes, checks this script's plumbing
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).parent))
+from common import table  # noqa: E402
+
+from jetrl_compile.runtime import (  # noqa: E402
+    Quantized, dequantize, linear_with_quantized_weight, quantize_blockwise, quantize_groupwise,
+)
+from jetrl_compile.runtime import kernels  # noqa: E402
+
+BF16 = torch.bfloat16
+RECIPE_GEMMS = {  # recipe -> (fprop, dgrad, wgrad), as in jetrl_compile.recipes
+    "bf16": ("bf16", "bf16", "bf16"),
+    "fp8_fwd_bf16_bwd": ("fp8", "bf16", "bf16"),
+    "jetrl": ("fp8", "fp8", "fp8"),
+}
+# (name, K in, N out) per model: fused qkv (GQA, 8 KV heads of 128), o_proj, fused gate_up, down.
+SHAPES = {
+    "8B": [("qkv", 4096, 6144), ("o", 4096, 4096), ("gate_up", 4096, 28672), ("down", 14336, 4096)],
+    "32B": [("qkv", 5120, 7168), ("o", 5120, 5120), ("gate_up", 5120, 55296), ("down", 27648, 5120)],
+}
+SMOKE_SHAPES = {"tiny": [("qkv", 256, 384), ("down", 512, 256)]}
+LLAMA_1B = dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+                num_key_value_heads=8, vocab_size=32000)
+LLAMA_8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                num_key_value_heads=8, vocab_size=128256)
+LLAMA_TINY = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, vocab_size=512)
+# What each section runs on the H200, and in a CPU smoke run of this script.
+FULL = dict(kernel_mnk=[(256, 512, 384), (4096, 4096, 14336)], linear_shapes=SHAPES, linear_tokens=[4096, 8192],
+            reps=10, train_cfg=LLAMA_1B, train_batch_seq=(4, 2048), decode_cfg=LLAMA_8B,
+            decode_batch_prompt_new=(32, 128, 64), decode_reps=3)
+SMOKE = dict(kernel_mnk=[(64, 256, 384)], linear_shapes=SMOKE_SHAPES, linear_tokens=[128], reps=2,
+             train_cfg=LLAMA_TINY, train_batch_seq=(2, 64), decode_cfg=LLAMA_TINY,
+             decode_batch_prompt_new=(2, 16, 4), decode_reps=1)
+
+
+class Report:
+    """Collects each section's table and numbers; rewrites OUT/gpu.md and gpu.json after each."""
+
+    def __init__(self, out: Path, header: str):
+        self.out, self.parts, self.data = out, [header], {}
+        out.mkdir(parents=True, exist_ok=True)
+
+    def add(self, name: str, markdown: str, data) -> None:
+        self.parts.append(f"## {name}\n\n{markdown}\n")
+        self.data[name] = data
+        (self.out / "gpu.md").write_text("\n".join(self.parts))
+        (self.out / "gpu.json").write_text(json.dumps(self.data, indent=1, default=str))
+        print(f"\n## {name}\n\n{markdown}\n", flush=True)
+
+
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def median_s(fn, device, reps: int, warmup: int = 2) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        sync(device)
+        t0 = time.perf_counter()
+        fn()
+        sync(device)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def use_fp8_kernel(on: bool) -> None:
+    os.environ["JETRL_FP8_KERNEL"] = "scaled_mm" if on else "emulate"
+    kernels._cuda_blockwise_enabled.cache_clear()
+
+
+# ---------------------------------------------------------------- 1. kernels
+
+
+def _same_bits(a, b) -> bool:
+    (qa, sa), (qb, sb) = a, b
+    return torch.equal(qa.cpu().view(torch.uint8), qb.cpu().view(torch.uint8)) and torch.equal(sa.cpu(), sb.cpu())
+
+
+def _excess_over_tolerance(y: torch.Tensor, a, b) -> float:
+    """max |y - ref| / tol, where ref is the float64 product of the dequantized operands and tol
+    is BF16 output rounding plus float32 summation-order error. <= 1 passes."""
+    da, db = dequantize(*a).double(), dequantize(*b).double()
+    ref = da @ db.t()
+    k = da.shape[1]
+    tol = ref.abs() * 2.0**-8 + k * 2.0**-24 * (da.abs() @ db.abs().t()) + 1e-30
+    return float(((y.double() - ref).abs() / tol).max())
+
+
+def check_kernels(device, shapes, report: Report) -> bool:
+    """Returns whether the real FP8 kernel passed every layout (and so may be used later)."""
+    rows, data, fp8_ok = [], [], device.type == "cuda"
+    for m, k, n in shapes:
+        g = torch.Generator().manual_seed(m + k + n)
+        x = torch.randn(m, k, generator=g).to(BF16)
+        w = torch.randn(n, k, generator=g) * k**-0.5
+        dy = torch.randn(m, n, generator=g).to(BF16)
+        a_cpu, b_cpu = quantize_groupwise(x), quantize_blockwise(w)
+        a_dev, b_dev = quantize_groupwise(x.to(device)), quantize_blockwise(w.to(device))
+        quant_same = _same_bits(a_cpu, a_dev) and _same_bits(b_cpu, b_dev)
+        use_fp8_kernel(False)
+        y_cpu = kernels.fp8_gemm(a_cpu, b_cpu).double()
+        y_emu = kernels.fp8_gemm(a_dev, b_dev).cpu().double()
+        emu_vs_cpu = _excess_over_tolerance(y_emu, a_cpu, b_cpu)
+        emu_bitwise = bool(torch.equal(y_emu, y_cpu))
+        layouts = {  # (a, b) operands of fp8_gemm as fp8_linear builds them
+            "fprop": (a_dev, b_dev),
+            "dgrad": (quantize_groupwise(dy.to(device)), Quantized(b_dev.data.t(), b_dev.scale.t())),
+            "wgrad": (quantize_groupwise(dy.to(device).t()), quantize_groupwise(x.to(device).t())),
+        }
+        results = {}
+        for name, (a, b) in layouts.items():
+            if device.type != "cuda":
+                results[name] = "needs CUDA"
+                continue
+            use_fp8_kernel(True)
+            try:
+                if not kernels._use_cuda_blockwise(a, b):
+                    results[name] = "not used (device or shape)"
+                    fp8_ok = False
+                    continue
+                excess = _excess_over_tolerance(kernels.fp8_gemm(a, b).cpu(), a, b)
+                results[name] = f"{excess:.2f} ({'ok' if excess <= 1 else 'FAIL'})"
+                fp8_ok &= excess <= 1
+            except Exception as e:  # the message is the finding
+                results[name] = f"error: {str(e).splitlines()[0][:120]}"
+                fp8_ok = False
+            finally:
+                use_fp8_kernel(False)
+        rows.append([f"{m}x{k}x{n}", "yes" if quant_same else "NO", f"{emu_vs_cpu:.2f}",
+                     "yes" if emu_bitwise else "no", results["fprop"], results["dgrad"], results["wgrad"]])
+        data.append({"mnk": [m, k, n], "quantizer_bitwise": quant_same, "emulation_excess": emu_vs_cpu,
+                     "emulation_bitwise": emu_bitwise, "scaled_mm": results})
+    md = table(["M x K x N", "quantizer bitwise = CPU", "emulation error / tol", "emulation bitwise = CPU",
+                "scaled_mm fprop error / tol", "dgrad", "wgrad"], rows)
+    md += ("\n\nerror / tol: max |y - ref| over (BF16 rounding + float32 summation-order bound), ref the "
+           "float64 product of the dequantized operands; <= 1 passes. "
+           f"Real FP8 kernel used below: {'yes' if fp8_ok else 'no (emulation)'}.")
+    report.add("kernels", md, {"shapes": data, "fp8_kernel_ok": fp8_ok})
+    return fp8_ok
+
+
+# ---------------------------------------------------------------- 2. linear
+
+
+def bench_linear(device, shapes: dict, tokens: list[int], reps: int, report: Report, fp8_kernel: bool) -> None:
+    quantize_x = torch.compile(quantize_groupwise, dynamic=True) if device.type == "cuda" else quantize_groupwise
+
+    def recipe_fn(fprop, dgrad, wgrad):
+        def fn(x, w, q, s, deq):
+            return linear_with_quantized_weight(x, w, None, q, s, deq, fprop=fprop, dgrad=dgrad, wgrad=wgrad)
+        return fn
+
+    use_fp8_kernel(fp8_kernel)
+    rows, data = [], []
+    for model, layer_shapes in shapes.items():
+        for name, k, n in layer_shapes:
+            w = (torch.randn(n, k, device=device) * k**-0.5).to(BF16).requires_grad_()
+            q, s = quantize_blockwise(w.detach())
+            deq = dequantize(q, s) if kernels.uses_emulation(device) else None
+            for m in tokens:
+                x = torch.randn(m, k, device=device).to(BF16).requires_grad_()
+                dy = torch.randn(m, n, device=device).to(BF16)
+                quantize_x(x.detach())  # compile outside the timed region
+
+                def fwd_bf16():
+                    with torch.no_grad():
+                        F.linear(x, w)
+
+                def fwd_fp8():
+                    with torch.no_grad():
+                        kernels.fp8_gemm(quantize_x(x.detach()), (q, s), b_dequantized=deq)
+
+                def fwd_bwd(recipe):
+                    f = recipe_fn(*RECIPE_GEMMS[recipe])
+
+                    def run():
+                        f(x, w, q, s, deq).backward(dy)
+                        x.grad = w.grad = None
+                    return run
+
+                t = {"bf16 fwd": median_s(fwd_bf16, device, reps), "fp8 fwd": median_s(fwd_fp8, device, reps)}
+                for recipe in RECIPE_GEMMS:
+                    t[f"{recipe} fwd+bwd"] = median_s(fwd_bwd(recipe), device, reps)
+                flops = 2 * m * k * n
+                rows.append([model, f"{name} {k}->{n}", m, f"{t['bf16 fwd'] * 1e3:.3f}",
+                             f"{flops / t['bf16 fwd'] / 1e12:.0f}", f"{t['bf16 fwd'] / t['fp8 fwd']:.2f}x",
+                             f"{t['bf16 fwd+bwd'] / t['fp8_fwd_bf16_bwd fwd+bwd']:.2f}x",
+                             f"{t['bf16 fwd+bwd'] / t['jetrl fwd+bwd']:.2f}x"])
+                data.append({"model": model, "layer": name, "k": k, "n": n, "tokens": m, "seconds": t})
+                print(rows[-1], flush=True)
+            del w, q, s, deq
+    md = table(["model", "linear", "tokens", "BF16 fwd ms", "BF16 TFLOP/s", "FP8 fwd speedup",
+                "fp8_fwd_bf16_bwd fwd+bwd speedup", "jetrl fwd+bwd speedup"], rows)
+    md += (f"\n\nSpeedup = BF16 time / FP8 time (higher is better), medians of {reps} runs. FP8 GEMM: "
+           f"{kernels.kernel_name(device)}; activation quantize compiled, weight quantized once outside the "
+           "timed region. Target: FP8 forward >= 1.6x BF16 on the 8B shapes at 4096+ tokens.")
+    report.add("linear", md, data)
+
+
+# ---------------------------------------------------------------- 3. train step
+
+
+def _llama(cfg: dict, device, dtype):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(**cfg, max_position_embeddings=8192, tie_word_embeddings=False)
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    with torch.device(device):
+        return LlamaForCausalLM(config).to(dtype)
+
+
+def bench_train_step(device, cfg: dict, batch: int, seq: int, steps: int, report: Report, fp8_kernel: bool) -> None:
+    import jetrl_compile
+
+    use_fp8_kernel(fp8_kernel)
+    ids = torch.randint(0, cfg["vocab_size"], (batch, seq), device=device)
+    rows, data, base = [], {}, None
+    for recipe in RECIPE_GEMMS:
+        model = _llama(cfg, device, torch.float32)
+        jetrl_compile.unify(model, recipe, mode="eager")
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=device.type == "cuda")
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+
+        def step():
+            model(ids, labels=ids).loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+        t = median_s(step, device, steps, warmup=1)
+        peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else float("nan")
+        cache = jetrl_compile.unified_state(model).cache
+        weights = cache.nbytes() if len(cache) else sum(
+            m.weight.numel() * 2 for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and "lm_head" not in n)
+        base = base or t
+        rows.append([recipe, f"{t:.3f}", f"{base / t:.2f}x", f"{batch * seq / t:.0f}", f"{peak:.1f}", f"{weights / 2**20:.0f}"])
+        data[recipe] = {"step_s": t, "peak_gib": peak, "gemm_weight_bytes": weights}
+        print(rows[-1], flush=True)
+        del model, opt
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    md = table(["recipe", "step s", "speedup vs bf16", "tokens/s", "peak GiB", "GEMM weight copies MiB"], rows)
+    md += (f"\n\nLlama config {cfg}, random weights, FP32 master weights, AdamW, batch "
+           f"{batch} x {seq} tokens, unify(mode='eager'); medians of {steps} steps after one warm-up. FP8 GEMM: "
+           f"{kernels.kernel_name(device)}. Target: jetrl step >= 1.3x BF16.")
+    report.add("train_step", md, data)
+
+
+# ---------------------------------------------------------------- 4. decode
+
+
+def bench_decode(device, cfg: dict, batch: int, prompt: int, new_tokens: int, reps: int, report: Report,
+                 fp8_kernel: bool) -> None:
+    import jetrl_compile
+
+    use_fp8_kernel(fp8_kernel)
+    model = _llama(cfg, device, BF16)
+    model.generation_config.pad_token_id = 0
+    ids = torch.randint(1, cfg["vocab_size"], (batch, prompt), device=device)
+    rows, data, base = [], {}, None
+    for recipe in ("bf16", "fp8_fwd_bf16_bwd"):
+        jetrl_compile.unify(model, recipe, mode="eager")
+
+        def gen():
+            with torch.no_grad():
+                model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
+
+        t = median_s(gen, device, reps, warmup=1)
+        tps = batch * new_tokens / t
+        base = base or tps
+        rows.append([recipe, f"{tps:.0f}", f"{tps / base:.2f}x"])
+        data[recipe] = {"seconds": t, "tokens_per_s": tps}
+        print(rows[-1], flush=True)
+        jetrl_compile.restore(model)
+    md = table(["recipe", "decode tokens/s", "speedup vs bf16"], rows)
+    md += (f"\n\nLlama config {cfg}, random BF16 weights, transformers generate (greedy), batch {batch}, prompt "
+           f"{prompt}, {new_tokens} new tokens, medians of {reps}. FP8 GEMM: {kernels.kernel_name(device)}. "
+           "Eager generate: per-token Python and launch overhead bound what any GEMM can win here. "
+           "Target: FP8 decode >= 1.3x BF16.")
+    report.add("decode", md, data)
+
+
+# ---------------------------------------------------------------- driver
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, required=True, help="folder for gpu.md and gpu.json")
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes on any device (checks the script itself)")
+    parser.add_argument("--sections", default="kernels,linear,train_step,decode")
+    parser.add_argument("--budget-s", type=float, default=420, help="skip sections that start after this many seconds")
+    args = parser.parse_args(argv)
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.type != "cuda" and not args.smoke:
+        raise SystemExit("bench/gpu.py needs a CUDA GPU (torch.cuda.is_available() is False); use --smoke to check it on CPU")
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(0)
+        where = (f"{props.name} (sm{props.major}{props.minor}, {props.total_memory / 2**30:.0f} GiB), torch "
+                 f"{torch.__version__}, CUDA {torch.version.cuda}, F.scaled_mm: {hasattr(F, 'scaled_mm')}")
+    else:
+        where = f"CPU smoke run, torch {torch.__version__}"
+    report = Report(args.out, f"# bench/gpu.sh\n\nMachine: {where}\n")
+    print(where, flush=True)
+
+    size = SMOKE if args.smoke else FULL
+    plan = {
+        "kernels": lambda ok: check_kernels(device, size["kernel_mnk"], report),
+        "linear": lambda ok: bench_linear(device, size["linear_shapes"], size["linear_tokens"], size["reps"], report, ok),
+        "train_step": lambda ok: bench_train_step(device, size["train_cfg"], *size["train_batch_seq"], size["reps"], report, ok),
+        "decode": lambda ok: bench_decode(device, size["decode_cfg"], *size["decode_batch_prompt_new"], size["decode_reps"], report, ok),
+    }
+    t0, fp8_ok, failed = time.perf_counter(), False, []
+    for name in args.sections.split(","):
+        elapsed = time.perf_counter() - t0
+        if elapsed > args.budget_s:
+            report.add(name, f"skipped: {elapsed:.0f} s of the {args.budget_s:.0f} s budget spent", None)
+            continue
+        try:
+            result = plan[name](fp8_ok)
+            if name == "kernels":
+                fp8_ok = bool(result)
+        except Exception:
+            failed.append(name)
+            report.add(name, "FAILED:\n\n```\n" + traceback.format_exc()[-3000:] + "```", None)
+        print(f"[{name} done at {time.perf_counter() - t0:.0f} s]", flush=True)
+    if failed:
+        raise SystemExit(f"sections failed: {', '.join(failed)} (tracebacks in {args.out / 'gpu.md'})")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# The H200 run (bench/gpu.py): CUDA kernels checked against the CPU emulation, then FP8 vs BF16
+# linear, training-step and decode speed, and memory. About 5-8 minutes on one H200.
+#
+#   bash bench/gpu.sh [OUT_DIR]      # tables in OUT_DIR/gpu.md (default: $OUT or bench/results/gpu)
+#
+# Runs on the machine's own python3 and torch (no install): the repository goes on PYTHONPATH.
+# Wheels in .whl/ (for a package the machine lacks) are installed to a temporary folder first.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+OUT_DIR="${1:-${OUT:-bench/results/gpu}}"
+PY="${PYTHON:-python3}"
+
+if ! "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
+    echo "bench/gpu.sh needs a CUDA GPU: $PY cannot import torch, or its torch sees no GPU (torch.cuda.is_available() is False)." >&2
+    echo "Run it on the GPU machine; 'python bench/gpu.py --smoke --out DIR' checks the script on CPU." >&2
+    exit 2
+fi
+if compgen -G ".whl/*.whl" >/dev/null; then
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/jetrl-site .whl/*.whl
+    export PYTHONPATH="/tmp/jetrl-site${PYTHONPATH:+:$PYTHONPATH}"
+fi
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
+"$PY" bench/gpu.py --out "$OUT_DIR" "${@:2}"
