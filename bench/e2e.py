@@ -50,7 +50,7 @@ def main():
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--group-size", type=int, default=8)
     parser.add_argument("--max-new-tokens", type=int, default=32)
-    parser.add_argument("--trainer-mode", default="compile", choices=["compile", "eager"])
+    parser.add_argument("--trainer-mode", default="eager", choices=["compile", "eager"])
     parser.add_argument("--engine", default="auto", choices=["auto", "vllm", "hf"])
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
