@@ -14,7 +14,7 @@ STAMP := $(VENV)/.installed-$(subst $(comma),_,$(EXTRAS))
 PIP := $(BIN)/python -m pip install --quiet --disable-pip-version-check
 QUIET_PIP := 2>&1 | { grep -v "is ignored: it is neither a file nor a directory" || true; }
 
-.PHONY: venv test test-all demo bench clean
+.PHONY: venv test test-all demo bench bench-full clean
 
 venv: $(STAMP)
 
@@ -39,11 +39,20 @@ test-all: venv
 demo: venv
 	$(BIN)/python examples/train_grpo.py --out runs/demo/$$(date +%Y%m%d-%H%M%S)
 
+# The CPU set, sized to finish in under 15 minutes on 2 cores; bench-full runs the tables the
+# README quotes (about an hour). Each writes bench/results/<name>.md with its command line.
 bench: venv
+	$(BIN)/python bench/linear.py --quick
+	$(BIN)/python bench/train_step.py --recipes bf16,fp8_fwd_bf16_bwd --batch 4 --seq 128 --steps 2
+	$(BIN)/python bench/rollout.py --engines vllm-bf16 vllm-jetrl-fp8-fp32 --reps 2
+	$(BIN)/python bench/e2e.py --recipes bf16 fp8_fwd_bf16_bwd --steps 3
+
+bench-full: venv
 	$(BIN)/python bench/linear.py
 	$(BIN)/python bench/train_step.py
 	$(BIN)/python bench/rollout.py
-	$(BIN)/python bench/e2e.py
+	$(BIN)/python bench/e2e.py --steps 5
+	$(BIN)/python bench/mismatch.py
 
 clean:
 	rm -rf $(VENV) jetrl_dump build *.egg-info

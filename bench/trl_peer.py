@@ -2,7 +2,8 @@
 
 TRL is not a dependency of this project; install it beside it to run this:
 
-    pip install --no-deps trl==1.16.0 datasets pyarrow dill multiprocess xxhash pandas
+    pip install --no-deps trl==1.16.0 "datasets<4.1" "pyarrow<21" "dill<0.4" "multiprocess<0.70.18" xxhash pandas
+    # (newer datasets/dill/pyarrow pairs fail to pickle pyarrow types in Dataset.from_list)
     python bench/trl_peer.py                 # 8 prompts x 8 completions x 32 tokens, 4 steps
     python bench/e2e.py --recipes bf16 fp8_fwd_bf16_bwd   # ours, same shape
 
