@@ -159,7 +159,7 @@ def check_kernels(device, shapes, report: Report) -> bool:
                 continue
             use_fp8_kernel(True)
             try:
-                if not kernels._use_cuda_blockwise(a, b):
+                if not kernels._use_cuda_blockwise(a.data, b):
                     results[name] = "not used (device or shape)"
                     fp8_ok = False
                     continue

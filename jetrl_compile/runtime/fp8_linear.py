@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from ..recipes import DEFAULT_RECIPE, Recipe, get_recipe
-from .kernels import fp8_gemm
+from .kernels import fp8_gemm, fp8_gemm_quantizing
 from .quantize import Quantized, quantize_blockwise, quantize_groupwise
 
 BF16 = torch.bfloat16
@@ -41,10 +41,10 @@ class _RecipeLinear(torch.autograd.Function):
         x2 = x.reshape(-1, x.shape[-1]).to(BF16)
         b = bias.to(BF16) if bias is not None else None
         if fprop == "fp8":
-            y = fp8_gemm(quantize_groupwise(x2), Quantized(weight_q, weight_s), b, b_dequantized=weight_deq)
+            y = fp8_gemm_quantizing(x2, Quantized(weight_q, weight_s), b, b_dequantized=weight_deq)
         else:
             y = F.linear(x2, weight.to(BF16), b)
-        ctx.save_for_backward(x2, weight, weight_q, weight_s)
+        ctx.save_for_backward(x2, weight, weight_q, weight_s, weight_deq)
         ctx.dgrad, ctx.wgrad = dgrad, wgrad
         ctx.x_shape, ctx.x_dtype = x.shape, x.dtype
         ctx.bias_dtype = None if bias is None else bias.dtype
@@ -52,12 +52,14 @@ class _RecipeLinear(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
-        x2, weight, weight_q, weight_s = ctx.saved_tensors
+        x2, weight, weight_q, weight_s, weight_deq = ctx.saved_tensors
         dy2 = dy.reshape(-1, dy.shape[-1]).to(BF16)
         dx = dw = db = None
         if ctx.needs_input_grad[0]:
             if ctx.dgrad == "fp8":
-                dx = fp8_gemm(quantize_groupwise(dy2), Quantized(weight_q.t(), weight_s.t()))
+                # deq(W)^T is exactly deq(W^T): the emulation reuses the cached dequantized weight.
+                w_t_deq = weight_deq.t() if weight_deq is not None else None
+                dx = fp8_gemm_quantizing(dy2, Quantized(weight_q.t(), weight_s.t()), b_dequantized=w_t_deq)
             else:
                 dx = dy2.mm(weight.to(BF16))
             dx = dx.to(ctx.x_dtype).reshape(ctx.x_shape)

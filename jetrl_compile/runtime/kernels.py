@@ -24,7 +24,7 @@ import os
 import torch
 import torch.nn.functional as F
 
-from .quantize import GROUP, Quantized, block_scale_shape, dequantize
+from .quantize import GROUP, Quantized, block_scale_shape, dequantize, fake_quantize_groupwise, quantize_groupwise
 
 
 def fp8_gemm(
@@ -36,10 +36,21 @@ def fp8_gemm(
     ``b_dequantized``, when given, is ``dequantize(*b)`` made earlier (the weight cache keeps it
     per optimizer step); the emulation then skips dequantizing the weight on every call.
     """
-    if _use_cuda_blockwise(a, b):
+    if _use_cuda_blockwise(a.data, b):
         y = _scaled_mm_blockwise(a, b)
         return y if bias is None else y + bias
     return F.linear(dequantize(*a), dequantize(*b) if b_dequantized is None else b_dequantized, bias)
+
+
+def fp8_gemm_quantizing(
+    x: torch.Tensor, b: Quantized, bias: torch.Tensor | None = None, b_dequantized: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``fp8_gemm(quantize_groupwise(x), b, bias, b_dequantized)``: the fprop GEMM, taking the
+    activation unquantized so that the emulation can run its quantize + dequantize fused
+    (``fake_quantize_groupwise``). Same result, bit for bit."""
+    if b_dequantized is not None and not _use_cuda_blockwise(x, b):
+        return F.linear(fake_quantize_groupwise(x), b_dequantized, bias)
+    return fp8_gemm(quantize_groupwise(x), b, bias, b_dequantized)
 
 
 def uses_emulation(device: torch.device | str) -> bool:
@@ -61,10 +72,11 @@ def _cuda_blockwise_enabled(device_index: int) -> bool:
     return torch.cuda.get_device_capability(device_index)[0] == 9
 
 
-def _use_cuda_blockwise(a: Quantized, b: Quantized) -> bool:
-    if a.data.device.type != "cuda" or not _cuda_blockwise_enabled(a.data.device.index or 0):
+def _use_cuda_blockwise(a: torch.Tensor, b: Quantized) -> bool:
+    """Whether the real kernel takes ``a`` (the (M, K) activation or its payload) times ``b``."""
+    if a.device.type != "cuda" or not _cuda_blockwise_enabled(a.device.index or 0):
         return False
-    k, n = a.data.shape[1], b.data.shape[0]
+    k, n = a.shape[1], b.data.shape[0]
     b_layout_ok = tuple(b.scale.shape) in (block_scale_shape(b.data.shape), (n, k // GROUP))
     return b_layout_ok and k % GROUP == 0 and n % GROUP == 0
 

@@ -30,6 +30,7 @@ So full groups and the partial tail group are handled as two separate tensors an
 
 from __future__ import annotations
 
+import functools
 import os
 from typing import NamedTuple
 
@@ -157,6 +158,32 @@ def quantize_blockwise(w: torch.Tensor) -> Quantized:
     block_amax = _group_amax_last(row_group_amax.t()).t()  # (ceil(N/128), ceil(K/128))
     scale = _power_of_two_scale(block_amax).contiguous()
     return Quantized(_per_block(w, scale, _quantize_op), scale)
+
+
+def fake_quantize_groupwise(x: torch.Tensor) -> torch.Tensor:
+    """``dequantize(*quantize_groupwise(x))`` in BF16: what an emulated FP8 GEMM multiplies by.
+
+    Called eagerly (the eager trainer, the vLLM plugin), it runs as one Inductor-fused kernel
+    compiled on first use per shape class, instead of some 25 small eager ops per linear (on 2
+    CPU cores: about 7x faster for a 3000 x 576 activation, and it was the whole of the plugin's
+    gap to plain vLLM at decode). Bitwise the eager ops: the arithmetic is exact (power-of-two
+    scales, one rounding to e4m3) and the scale rule corrects any ulp of ``log2``; the vLLM
+    identity tests compare the two. Inside a graph being compiled it is the plain ops, for the
+    surrounding graph to fuse. ``JETRL_FUSED_QUANTIZE=0`` turns the fused kernel off.
+    """
+    if torch.compiler.is_compiling() or os.environ.get("JETRL_FUSED_QUANTIZE") == "0":
+        return _fake_quantize(x)
+    _check_finite(x, "quantize_groupwise")
+    return _compiled_fake_quantize()(x)
+
+
+def _fake_quantize(x: torch.Tensor) -> torch.Tensor:
+    return dequantize(*quantize_groupwise(x))
+
+
+@functools.cache
+def _compiled_fake_quantize():
+    return torch.compile(_fake_quantize, dynamic=True)
 
 
 def expand_block_scale(scale: torch.Tensor, shape: torch.Size | tuple[int, int]) -> torch.Tensor:
