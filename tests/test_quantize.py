@@ -139,3 +139,29 @@ def test_partial_blocks_compiled_equal_eager():
         if e.dtype == FP8_DTYPE:
             e, c = e.view(torch.uint8), c.view(torch.uint8)
         assert torch.equal(e, c)
+
+
+@pytest.mark.parametrize("shape", [(5, 576), (3, 1536), (2, 7, 96), (1, 128)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_fake_quantize_is_bitwise_the_eager_ops(shape, dtype):
+    """The vLLM plugin and the eager trainer run the compiled kernel; the compiled trainer traces
+    the plain ops. They must agree bit for bit, NaN groups included."""
+    from jetrl_compile.runtime.quantize import _fake_quantize, fake_quantize_groupwise
+
+    g = torch.Generator().manual_seed(sum(shape))
+    x = torch.randn(*shape, generator=g) * 10.0 ** torch.randint(-30, 30, (*shape[:-1], 1), generator=g).float()
+    x.view(-1, shape[-1])[0, :3] = 0.0
+    x.view(-1, shape[-1])[-1, -1] = float("nan")
+    x = x.to(dtype)
+    fused, eager = fake_quantize_groupwise(x), _fake_quantize(x)
+    assert fused.dtype == eager.dtype == torch.bfloat16
+    assert torch.equal(fused.isnan(), eager.isnan())
+    assert torch.equal(fused.nan_to_num().view(torch.int16), eager.nan_to_num().view(torch.int16))
+
+
+def test_fused_fake_quantize_still_raises_under_check_finite(monkeypatch):
+    from jetrl_compile.runtime.quantize import fake_quantize_groupwise
+
+    monkeypatch.setenv("JETRL_CHECK_FINITE", "1")
+    with pytest.raises(FloatingPointError, match="quantize_groupwise"):
+        fake_quantize_groupwise(torch.tensor([[1.0, float("inf")]]))
