@@ -32,7 +32,8 @@ def fp8_gemm(
 ) -> torch.Tensor:
     """``bf16(deq(a) @ deq(b)^T + bias)``, the GEMM definition of DESIGN.md section 4.
 
-    ``bias`` (BF16) is added to the float32 accumulator before the one rounding to BF16.
+    ``bias`` (BF16) is added to the float32 accumulator before the one rounding to BF16 (the
+    CUDA kernel adds it to the BF16 result, within the summation-order tolerance its check uses).
     ``b_dequantized``, when given, is ``dequantize(*b)`` made earlier (the weight cache keeps it
     per optimizer step); the emulation then skips dequantizing the weight on every call.
     """
