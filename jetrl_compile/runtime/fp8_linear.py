@@ -29,8 +29,8 @@ import torch
 import torch.nn.functional as F
 
 from ..recipes import DEFAULT_RECIPE, Recipe, get_recipe
-from .kernels import fp8_gemm, fp8_gemm_quantizing
-from .quantize import Quantized, quantize_blockwise, quantize_groupwise
+from .kernels import fp8_gemm_quantizing
+from .quantize import Quantized, fused_quantize_groupwise, quantize_blockwise
 
 BF16 = torch.bfloat16
 
@@ -65,7 +65,7 @@ class _RecipeLinear(torch.autograd.Function):
             dx = dx.to(ctx.x_dtype).reshape(ctx.x_shape)
         if ctx.needs_input_grad[1]:
             if ctx.wgrad == "fp8":
-                dw = fp8_gemm(quantize_groupwise(dy2.t()), quantize_groupwise(x2.t()))
+                dw = fp8_gemm_quantizing(dy2.t(), fused_quantize_groupwise(x2.t()))
             else:
                 dw = dy2.t().mm(x2)
             dw = dw.to(weight.dtype)

@@ -24,7 +24,7 @@ import os
 import torch
 import torch.nn.functional as F
 
-from .quantize import GROUP, Quantized, block_scale_shape, dequantize, fake_quantize_groupwise, quantize_groupwise
+from .quantize import GROUP, Quantized, block_scale_shape, dequantize, fake_quantize_groupwise, fused_quantize_groupwise
 
 
 def fp8_gemm(
@@ -46,12 +46,13 @@ def fp8_gemm(
 def fp8_gemm_quantizing(
     x: torch.Tensor, b: Quantized, bias: torch.Tensor | None = None, b_dequantized: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """``fp8_gemm(quantize_groupwise(x), b, bias, b_dequantized)``: the fprop GEMM, taking the
-    activation unquantized so that the emulation can run its quantize + dequantize fused
-    (``fake_quantize_groupwise``). Same result, bit for bit."""
+    """``fp8_gemm(quantize_groupwise(x), b, bias, b_dequantized)``, taking the activation
+    unquantized so that its quantize runs as one fused kernel when called eagerly: fused with the
+    dequantize for the emulation (``fake_quantize_groupwise``), alone before a real FP8 GEMM.
+    Same result, bit for bit."""
     if b_dequantized is not None and not _use_cuda_blockwise(x, b):
         return F.linear(fake_quantize_groupwise(x), b_dequantized, bias)
-    return fp8_gemm(quantize_groupwise(x), b, bias, b_dequantized)
+    return fp8_gemm(fused_quantize_groupwise(x), b, bias, b_dequantized)
 
 
 def uses_emulation(device: torch.device | str) -> bool:

@@ -165,25 +165,34 @@ def fake_quantize_groupwise(x: torch.Tensor) -> torch.Tensor:
 
     Called eagerly (the eager trainer, the vLLM plugin), it runs as one Inductor-fused kernel
     compiled on first use per shape class, instead of some 25 small eager ops per linear (on 2
-    CPU cores: about 7x faster for a 3000 x 576 activation, and it was the whole of the plugin's
-    gap to plain vLLM at decode). Bitwise the eager ops: the arithmetic is exact (power-of-two
-    scales, one rounding to e4m3) and the scale rule corrects any ulp of ``log2``; the vLLM
+    CPU cores: about 7x faster for a 3000 x 576 activation, and most of the plugin's gap to plain
+    vLLM at decode). Bitwise the eager ops: the arithmetic is exact (power-of-two scales, one
+    rounding to e4m3) and the scale rule corrects any ulp of ``log2``; a test and the vLLM
     identity tests compare the two. Inside a graph being compiled it is the plain ops, for the
-    surrounding graph to fuse. ``JETRL_FUSED_QUANTIZE=0`` turns the fused kernel off.
+    surrounding graph to fuse. ``JETRL_FUSED_QUANTIZE=0`` turns the fused kernels off.
     """
-    if torch.compiler.is_compiling() or os.environ.get("JETRL_FUSED_QUANTIZE") == "0":
-        return _fake_quantize(x)
-    _check_finite(x, "quantize_groupwise")
-    return _compiled_fake_quantize()(x)
+    return _eager_or_fused(_fake_quantize, x)
+
+
+def fused_quantize_groupwise(x: torch.Tensor) -> Quantized:
+    """``quantize_groupwise(x)`` as one fused kernel when called eagerly (for a real FP8 GEMM)."""
+    return _eager_or_fused(quantize_groupwise, x)
 
 
 def _fake_quantize(x: torch.Tensor) -> torch.Tensor:
     return dequantize(*quantize_groupwise(x))
 
 
+def _eager_or_fused(fn, x: torch.Tensor):
+    if torch.compiler.is_compiling() or os.environ.get("JETRL_FUSED_QUANTIZE") == "0":
+        return fn(x)
+    _check_finite(x, "quantize_groupwise")  # skipped inside the compiled function
+    return _compiled(fn)(x)
+
+
 @functools.cache
-def _compiled_fake_quantize():
-    return torch.compile(_fake_quantize, dynamic=True)
+def _compiled(fn):
+    return torch.compile(fn, dynamic=True)
 
 
 def expand_block_scale(scale: torch.Tensor, shape: torch.Size | tuple[int, int]) -> torch.Tensor:
