@@ -159,6 +159,17 @@ def test_fused_fake_quantize_is_bitwise_the_eager_ops(shape, dtype):
     assert torch.equal(fused.nan_to_num().view(torch.int16), eager.nan_to_num().view(torch.int16))
 
 
+@pytest.mark.parametrize("transposed", [False, True])
+def test_fused_quantize_is_bitwise_quantize_groupwise(transposed):
+    """The FP8 wgrad quantizes x^T (a non-contiguous view) through the fused kernel."""
+    from jetrl_compile.runtime.quantize import fused_quantize_groupwise
+
+    g = torch.Generator().manual_seed(7)
+    x = (torch.randn(300, 200, generator=g) * 10.0 ** torch.randint(-20, 20, (300, 1), generator=g).float()).to(torch.bfloat16)
+    x = x.t() if transposed else x
+    assert_same_quantization(fused_quantize_groupwise(x), quantize_groupwise(x))
+
+
 def test_fused_fake_quantize_still_raises_under_check_finite(monkeypatch):
     from jetrl_compile.runtime.quantize import fake_quantize_groupwise
 
