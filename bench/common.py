@@ -49,9 +49,13 @@ def machine() -> str:
                 break
     except OSError:
         pass
+    from jetrl_compile.runtime.kernels import bf16_gemm_name
+
+    # The CPU kind decides which BF16 GEMM path runs (kernels.bf16_gemm): name both.
     return (
-        f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__} "
-        f"({torch.get_num_threads()} threads), python {platform.python_version()}"
+        f"{cpu} (torch CPU capability {torch.backends.cpu.get_cpu_capability()}), {os.cpu_count()} cores, "
+        f"torch {torch.__version__} ({torch.get_num_threads()} threads), python {platform.python_version()}; "
+        f"BF16 GEMMs: {bf16_gemm_name('cpu')}"
     )
 
 

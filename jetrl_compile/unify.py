@@ -28,7 +28,7 @@ from .passes.precision_report import GemmRecord, classify_backward, gemms_in_gra
 from .passes.rewrite_linears import ParamInfo, RewriteResult, rewrite_linears
 from .recipes import DEFAULT_RECIPE, Recipe, get_recipe
 from .runtime.fp8_linear import linear_with_quantized_weight
-from .runtime.kernels import uses_emulation
+from .runtime.kernels import bf16_gemm_path, gemm_operand_dtype, kernel_name, uses_emulation
 from .runtime.weight_cache import WeightCache
 
 log = logging.getLogger("jetrl_compile")
@@ -51,6 +51,8 @@ class GraphRecord:
     graph_id: int
     rewrite: RewriteResult
     compile_id: str = ""
+    bf16_gemm: str = ""  # the BF16 GEMM path the graph was traced with ("native" or "fp32")
+    fp8_kernel: str = ""
     forward: list[GemmRecord] | None = None
     backward: list[GemmRecord] | None = None
     forward_has_fp8: bool | None = None
@@ -74,6 +76,8 @@ class GraphRecord:
             "graph": self.graph_id,
             "recipe": recipe.name,
             "summary": self.rewrite.summary(),
+            "bf16_gemm": self.bf16_gemm,
+            "fp8_kernel": self.fp8_kernel,
             "forward_compiled": self.forward is not None,
             "backward_compiled": self.backward is not None,
             "linears": linears,
@@ -235,6 +239,10 @@ class JetrlBackend:
             dump.write_graph(record.graph_id, "dynamo_before", gm)
         gm = _detached_copy(gm)
         device = next(self.model.parameters()).device
+        # The BF16 GEMM path is read once per graph: the dequantized weights fed to it are made in
+        # that path's operand dtype, and the op traced below takes the same path.
+        record.bf16_gemm, record.fp8_kernel = bf16_gemm_path(device), kernel_name(device)
+        operand_dtype = gemm_operand_dtype(device)
         record.rewrite = rewrite_linears(gm, params, recipe, dequantized_weights=uses_emulation(device))
         log.info("graph %d (%s): %s", record.graph_id, recipe.name, record.rewrite.summary())
         if dump.dump_enabled():
@@ -249,7 +257,7 @@ class JetrlBackend:
             for i, with_dequantized in weight_inputs:
                 extra.extend(cache.get(args[i]))
                 if with_dequantized:
-                    extra.append(cache.get_dequantized(args[i]))
+                    extra.append(cache.get_dequantized(args[i], operand_dtype))
             return extra
 
         inputs = [*example_inputs, *_static_fakes(quantized_inputs(example_inputs), example_inputs)]
@@ -299,7 +307,7 @@ class JetrlBackend:
     def _read_precisions(self, record: GraphRecord, aot_gm, kwargs) -> None:
         backward = bool(kwargs.get("is_backward"))
         inference = bool(kwargs.get("is_inference"))
-        # The cached BF16 dequantizations of FP8 weights enter the graph as inputs: they count as
+        # The cached dequantizations of FP8 weights enter the graph as inputs: they count as
         # FP8 operands (their values are exactly the FP8 payload times its power-of-two scale).
         fp8_inputs = {s.dequantized_input for s in record.rewrite.rewritten} - {None}
         gemms = gemms_in_graph(aot_gm, "backward" if backward else "forward", fp8_inputs)
@@ -349,7 +357,7 @@ def _patch_linears_eager(model: nn.Module, state: UnifiedState) -> None:
             q, s = state.cache.get(module.weight) if needs_q else (None, None)
             deq = None
             if recipe.fprop.is_fp8 and uses_emulation(module.weight.device):
-                deq = state.cache.get_dequantized(module.weight)
+                deq = state.cache.get_dequantized(module.weight, gemm_operand_dtype(module.weight.device))
             return linear_with_quantized_weight(
                 x, module.weight, module.bias, q, s, deq,
                 fprop=recipe.fprop.dtype, dgrad=recipe.dgrad.dtype, wgrad=recipe.wgrad.dtype,

@@ -45,6 +45,15 @@ def assert_same_quantization(a, b):
     assert torch.equal(sa.cpu(), sb.cpu())
 
 
+@pytest.fixture(params=["native", "fp32"])
+def gemm_path(request, monkeypatch):
+    """Runs a test once on each BF16 GEMM path (``kernels.bf16_gemm``), whichever CPU this is."""
+    monkeypatch.setenv("JETRL_BF16_GEMM", request.param)
+    torch._dynamo.reset()  # a compiled graph keeps the path it was traced with
+    yield request.param
+    torch._dynamo.reset()
+
+
 @pytest.fixture
 def make_model():
     return tiny_model

@@ -1,14 +1,16 @@
-"""The recipe-driven linear op: forward GEMM definition and backward rules per recipe."""
+"""The recipe-driven linear op: forward GEMM definition and backward rules per recipe, on both BF16
+GEMM paths (every test runs with ``JETRL_BF16_GEMM`` forced to ``native`` and to ``fp32``)."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from jetrl_compile.runtime import dequantize, fp8_linear, quantize_blockwise, quantize_groupwise
-from jetrl_compile.runtime.kernels import kernel_name
+from jetrl_compile.runtime.kernels import bf16_gemm, kernel_name
 from jetrl_compile.unify import FP8_BACKWARD_INDUCTOR_OPTIONS
 
 BF16 = torch.bfloat16
+pytestmark = pytest.mark.usefixtures("gemm_path")
 
 
 def _inputs(m=64, k=200, n=300, x_dtype=BF16, w_dtype=torch.float32, seed=0, bias=False):
@@ -19,8 +21,10 @@ def _inputs(m=64, k=200, n=300, x_dtype=BF16, w_dtype=torch.float32, seed=0, bia
     return x, w, b
 
 
-def test_cpu_kernel_is_the_exact_emulation():
-    assert kernel_name("cpu").startswith("emulated")
+def test_cpu_kernel_is_the_exact_emulation_on_the_forced_path(gemm_path):
+    name = kernel_name("cpu")
+    assert name.startswith("emulated")
+    assert ("fp32 matmul" in name) == (gemm_path == "fp32"), name
 
 
 def test_forward_matches_float64_gemm_definition_within_one_bf16_rounding():
@@ -38,12 +42,12 @@ def test_forward_matches_float64_gemm_definition_within_one_bf16_rounding():
     assert torch.all((y.double() - ref).abs() <= tol)
 
 
-def test_forward_is_one_bf16_matmul_of_dequantized_operands():
+def test_forward_is_one_gemm_of_dequantized_operands():
     x, w, b = _inputs(bias=True)
     y = fp8_linear(x, w, b)
     xd = dequantize(*quantize_groupwise(x.detach()))
     wd = dequantize(*quantize_blockwise(w.detach()))
-    assert torch.equal(y, F.linear(xd, wd, b.detach().to(BF16)))
+    assert torch.equal(y, bf16_gemm(xd, wd, b.detach().to(BF16)))
 
 
 def test_fp8_forward_differs_from_bf16_by_quantization_error():
@@ -64,22 +68,19 @@ def _grads(fn, x, w, b, dy):
     return out
 
 
-def _straight_through_bf16(x, w, b):
-    """The reference backward: a plain BF16 linear on BF16 copies (quantization = identity)."""
-    return F.linear(x.to(BF16), w.to(BF16), None if b is None else b.to(BF16))
-
-
 @pytest.mark.parametrize("w_dtype", [BF16, torch.float32])
-def test_fp8_fwd_bf16_bwd_backward_equals_bf16_straight_through_exactly(w_dtype):
+def test_fp8_fwd_bf16_bwd_backward_equals_bf16_straight_through_exactly(w_dtype, gemm_path):
     x, w, b = _inputs(w_dtype=w_dtype, bias=True)
     dy = torch.randn(64, 300).to(BF16)
     _, dx, dw, db = _grads(lambda *a: fp8_linear(*a, recipe="fp8_fwd_bf16_bwd"), x, w, b, dy)
-    x_ref = x.detach().to(BF16).requires_grad_()
-    w_ref = w.detach().to(BF16).requires_grad_()
-    F.linear(x_ref, w_ref).backward(dy)
+    x16, w16 = x.detach().to(BF16), w.detach().to(BF16)
     assert dx.dtype == x.dtype and dw.dtype == w_dtype and db.dtype == w_dtype
-    assert torch.equal(dx, x_ref.grad)
-    assert torch.equal(dw, w_ref.grad.to(w_dtype))
+    assert torch.equal(dx, bf16_gemm(dy, w16.t()))  # dx = dy W
+    assert torch.equal(dw, bf16_gemm(dy.t(), x16.t()).to(w_dtype))  # dW = dy^T x
+    if gemm_path == "native":  # the native path is what torch's own BF16 linear computes
+        x_ref, w_ref = x16.requires_grad_(), w16.requires_grad_()
+        F.linear(x_ref, w_ref).backward(dy)
+        assert torch.equal(dx, x_ref.grad) and torch.equal(dw, w_ref.grad.to(w_dtype))
     assert torch.allclose(db.float(), dy.float().sum(0), rtol=1e-2 if w_dtype == BF16 else 1e-6)
 
 
@@ -100,10 +101,10 @@ def test_jetrl_dgrad_is_fp8_gemm_of_quantized_dy_and_forward_weight_blocks():
     _, dx, dw, _ = _grads(lambda *a: fp8_linear(*a, recipe="jetrl"), x, w, None, dy)
     wq, ws = quantize_blockwise(w.detach())
     dy_d = dequantize(*quantize_groupwise(dy))
-    assert torch.equal(dx, dy_d @ dequantize(wq, ws))
+    assert torch.equal(dx, bf16_gemm(dy_d, dequantize(wq, ws).t()))
     dyt_d = dequantize(*quantize_groupwise(dy.t()))
     xt_d = dequantize(*quantize_groupwise(x.detach().t()))
-    assert torch.equal(dw, (dyt_d @ xt_d.t()).float())
+    assert torch.equal(dw, bf16_gemm(dyt_d, xt_d).float())
 
 
 @pytest.mark.parametrize("recipe", ["bf16", "fp8_fwd_bf16_bwd", "jetrl", "fp8_rollout_only"])

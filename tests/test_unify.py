@@ -37,6 +37,23 @@ def test_every_projection_rewritten_and_lm_head_embeddings_not(family):
     assert not any("embed" in m for m in rows), "embeddings are lookups, never GEMM sites"
 
 
+@pytest.mark.parametrize("recipe", ["bf16", "fp8_fwd_bf16_bwd", "jetrl"])
+def test_precision_report_reads_every_gemm_on_either_bf16_gemm_path(recipe, gemm_path):
+    """On the fp32 path a BF16 GEMM runs as an FP32 matmul of upcast operands; the report still
+    reads its operands as BF16 (or FP8), and names the path the graphs were traced with."""
+    model = tiny_model("llama", layers=1)
+    jetrl_compile.unify(model, recipe, compiler="aot_eager")
+    ids = _ids(1, 8)
+    model(ids, labels=ids).loss.backward()
+    (report,) = jetrl_compile.precision_report(model)
+    assert report["bf16_gemm"] == gemm_path
+    fwd = "bf16" if recipe == "bf16" else "fp8"
+    bwd = "fp8" if recipe == "jetrl" else "bf16"
+    for row in report["linears"]:
+        expected = ("fp32",) * 3 if row["module"] == "lm_head" else (fwd, bwd, bwd)
+        assert (row["fprop"], row["dgrad"], row["wgrad"]) == expected, row
+
+
 def test_include_lm_head_and_skip_patterns():
     model = tiny_model("llama", layers=2)
     jetrl_compile.unify(model, "fp8_fwd_bf16_bwd", include_lm_head=True, skip=["*.layers.1.mlp.*"], compiler="aot_eager")
@@ -124,19 +141,22 @@ def test_gradients_land_in_fp32_master_weights(trained):
 
 def test_cpu_fprop_reads_the_cached_dequantized_weight(trained):
     from jetrl_compile.runtime import dequantize
+    from jetrl_compile.runtime.kernels import gemm_operand_dtype
 
     model, _ = trained["fp8_fwd_bf16_bwd"]
     state = jetrl_compile.unified_state(model)
     (graph,) = state.graphs
     assert all(len(s.quant_inputs) == 3 for s in graph.rewrite.rewritten), "payload, scales, dequantized"
+    dtype = gemm_operand_dtype("cpu")  # BF16, or FP32 on the fp32 GEMM path
     w = model.model.layers[0].mlp.down_proj.weight
-    assert torch.equal(state.cache.get_dequantized(w), dequantize(*state.cache.get(w)))
-    assert state.cache.get_dequantized(w) is state.cache.get_dequantized(w), "made once per step"
+    assert torch.equal(state.cache.get_dequantized(w, dtype), dequantize(*state.cache.get(w), dtype))
+    assert state.cache.get_dequantized(w, dtype) is state.cache.get_dequantized(w, dtype), "made once per step"
     weights = [m.weight for m in model.modules() if isinstance(m, nn.Linear) and m is not model.lm_head]
     for p in weights:
-        state.cache.get_dequantized(p)
+        state.cache.get_dequantized(p, dtype)
     scales = sum(state.cache.get(p).scale.numel() * 4 for p in weights)
-    assert state.cache.nbytes() == 3 * sum(p.numel() for p in weights) + scales, "FP8 payload + BF16 copy"
+    per_element = 1 + dtype.itemsize  # FP8 payload + the dequantized copy the graphs read
+    assert state.cache.nbytes() == per_element * sum(p.numel() for p in weights) + scales
 
 
 def test_weights_quantized_once_per_optimizer_step(trained):

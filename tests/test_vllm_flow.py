@@ -12,6 +12,7 @@ import jetrl_compile
 from jetrl_compile.export import WEIGHTS_FILE, export_vllm
 from jetrl_compile.rl.mismatch import rollout_mismatch
 from jetrl_compile.runtime.fp8_linear import linear_with_quantized_weight
+from jetrl_compile.runtime.kernels import gemm_operand_dtype
 from jetrl_compile.runtime.rollout import HfEngine, VllmEngine, vllm_available
 from tests.conftest import tiny_model
 from tests.test_export import VLLM_TINY, _corrupt, _unified
@@ -49,14 +50,16 @@ def captured_linears(vllm_model):
 def trainer_op(model, vllm_name: str, x: torch.Tensor) -> torch.Tensor:
     """What the trainer's op computes for the HF linear(s) behind a vLLM layer, on ``x``."""
     state = jetrl_compile.unified_state(model)
+    fprop = state.recipe.fprop.dtype
     parent, leaf = vllm_name.rsplit(".", 1)
     outs = []
     for shard in FUSED.get(leaf, [leaf]):
         m = model.get_submodule(f"{parent}.{shard}")
-        q, s = state.cache.get(m.weight)
-        outs.append(linear_with_quantized_weight(
-            x, m.weight, m.bias, q, s, state.cache.get_dequantized(m.weight), fprop="fp8", dgrad="bf16", wgrad="bf16"
-        ))
+        q, s, deq = None, None, None
+        if fprop == "fp8":
+            q, s = state.cache.get(m.weight)
+            deq = state.cache.get_dequantized(m.weight, gemm_operand_dtype(x.device))
+        outs.append(linear_with_quantized_weight(x, m.weight, m.bias, q, s, deq, fprop=fprop, dgrad="bf16", wgrad="bf16"))
     return torch.cat(outs, dim=-1)
 
 
@@ -86,6 +89,24 @@ def test_vllm_linears_compute_the_trainers_op_at_load_and_after_sync(flow):
         after = engine.generate(PROMPTS[:3], n=2, max_new_tokens=6, seed=3)
     assert_linears_identical(model, seen)
     assert [c.logprobs for g in after for c in g] != [c.logprobs for g in before for c in g]
+
+
+@pytest.mark.parametrize("recipe", ["fp8_fwd_bf16_bwd", "bf16"])
+def test_vllm_linears_are_the_trainers_on_either_bf16_gemm_path(recipe, gemm_path, tmp_path):
+    """With the BF16 GEMM path forced either way, the plugin and the trainer take it alike: every
+    linear inside vLLM stays bitwise the trainer's op, and the plugin keeps its dequantized
+    weights in that path's operand dtype."""
+    model = _unified(recipe)
+    engine = VllmEngine(model, workdir=tmp_path, max_model_len=256)
+    try:
+        with captured_linears(engine.vllm_model) as seen:
+            engine.generate(PROMPTS[:3], n=2, max_new_tokens=6, seed=3)
+        assert_linears_identical(model, seen)
+        layer = engine.vllm_model.model.layers[0].mlp.down_proj
+        if recipe == "fp8_fwd_bf16_bwd":
+            assert layer.weight_dequantized.dtype == gemm_operand_dtype("cpu")
+    finally:
+        engine.close()
 
 
 @pytest.mark.slow

@@ -15,7 +15,16 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
-_GEMM_OPS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default}
+from ..runtime import kernels  # noqa: F401 - registers torch.ops.jetrl.gemm_fp32
+
+# GEMM ops and the positions of their two operands. ``jetrl.gemm_fp32`` is the ``fp32`` path of
+# ``kernels.bf16_gemm``: it takes the BF16-valued operands and upcasts them inside.
+_GEMM_OPS = {
+    torch.ops.aten.mm.default: (0, 1),
+    torch.ops.aten.addmm.default: (1, 2),
+    torch.ops.aten.bmm.default: (0, 1),
+    torch.ops.jetrl.gemm_fp32.default: (0, 1),
+}
 # Ops a GEMM operand may pass through between the FP8 payload and the matmul (dequantize,
 # layout changes). Anything else ends the search, so an FP8 GEMM upstream cannot leak into the
 # classification of the next layer's BF16 GEMM.
@@ -100,7 +109,7 @@ def _operand_precision(node: fx.Node, fp8_inputs: frozenset[int] = frozenset(), 
 def gemms_in_graph(gm: fx.GraphModule, graph: str, fp8_inputs=frozenset()) -> list[GemmRecord]:
     """Every matrix multiply of an AOT graph, with its module and operand precisions.
 
-    ``fp8_inputs``: flat-input positions that carry a BF16 dequantization of an FP8 payload
+    ``fp8_inputs``: flat-input positions that carry a dequantization (BF16 or FP32) of an FP8 payload
     (the weight cache's ``W_deq``); GEMM operands read from them count as FP8.
     """
     fp8_inputs = frozenset(fp8_inputs)
@@ -108,7 +117,7 @@ def gemms_in_graph(gm: fx.GraphModule, graph: str, fp8_inputs=frozenset()) -> li
     for node in gm.graph.nodes:
         if node.op != "call_function" or node.target not in _GEMM_OPS:
             continue
-        a, b = node.args[-2], node.args[-1]
+        a, b = (node.args[i] for i in _GEMM_OPS[node.target])
         val = node.meta.get("val")
         records.append(
             GemmRecord(

@@ -10,13 +10,14 @@ an opaque node (no fusion, no visible casts) unless it also registered a decompo
 is that AOTAutogradCache does not cache graphs holding a Function; Inductor's FX graph cache does.
 
 Every GEMM runs from BF16 or FP8 copies, whatever the parameters' dtype (FP32 master weights
-included); results come back in the input's dtype and gradients in each input's dtype.
+included), through ``kernels.bf16_gemm`` (the GEMM definition, on this machine's BF16 GEMM path);
+results come back in the input's dtype and gradients in each input's dtype.
 
 Backward rules per GEMM precision:
 
 - BF16 dgrad/wgrad: straight-through. Quantization is the identity in the backward; ``dx = dy W``
-  and ``dW = dy^T x`` run in BF16 from the BF16 copies of x and W saved in the forward, exactly
-  what a BF16 ``F.linear`` computes.
+  and ``dW = dy^T x`` are GEMMs of the BF16 copies of x and W saved in the forward, exactly what
+  a BF16 ``F.linear`` computes (on the ``native`` path, bit for bit).
 - FP8 dgrad: ``dy`` in 1 x 128 groups along N times the forward's own 128 x 128 weight blocks
   (transposed; the blocks are symmetric). FP8 wgrad: ``dy^T`` and ``x^T`` in groups of 128 along
   the token dim. The gradients handed to other ops stay BF16 (the paper: quantizing them kills
@@ -26,10 +27,9 @@ Backward rules per GEMM precision:
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from ..recipes import DEFAULT_RECIPE, Recipe, get_recipe
-from .kernels import fp8_gemm_quantizing
+from .kernels import bf16_gemm, fp8_gemm_quantizing
 from .quantize import Quantized, fused_quantize_groupwise, quantize_blockwise
 
 BF16 = torch.bfloat16
@@ -43,7 +43,7 @@ class _RecipeLinear(torch.autograd.Function):
         if fprop == "fp8":
             y = fp8_gemm_quantizing(x2, Quantized(weight_q, weight_s), b, b_dequantized=weight_deq)
         else:
-            y = F.linear(x2, weight.to(BF16), b)
+            y = bf16_gemm(x2, weight.to(BF16), b)
         ctx.save_for_backward(x2, weight, weight_q, weight_s, weight_deq)
         ctx.dgrad, ctx.wgrad = dgrad, wgrad
         ctx.x_shape, ctx.x_dtype = x.shape, x.dtype
@@ -61,13 +61,13 @@ class _RecipeLinear(torch.autograd.Function):
                 w_t_deq = weight_deq.t() if weight_deq is not None else None
                 dx = fp8_gemm_quantizing(dy2, Quantized(weight_q.t(), weight_s.t()), b_dequantized=w_t_deq)
             else:
-                dx = dy2.mm(weight.to(BF16))
+                dx = bf16_gemm(dy2, weight.to(BF16).t())
             dx = dx.to(ctx.x_dtype).reshape(ctx.x_shape)
         if ctx.needs_input_grad[1]:
             if ctx.wgrad == "fp8":
                 dw = fp8_gemm_quantizing(dy2.t(), fused_quantize_groupwise(x2.t()))
             else:
-                dw = dy2.t().mm(x2)
+                dw = bf16_gemm(dy2.t(), x2.t())
             dw = dw.to(weight.dtype)
         if ctx.bias_dtype is not None and ctx.needs_input_grad[2]:
             db = dy.reshape(-1, dy.shape[-1]).float().sum(0).to(ctx.bias_dtype)
@@ -88,7 +88,7 @@ def linear_with_quantized_weight(
 ) -> torch.Tensor:
     """The op the compiler pass inserts: ``weight_q``/``weight_s`` are the cached 128 x 128
     quantization of ``weight`` (None when no GEMM of the recipe is FP8) and ``weight_deq`` its
-    cached BF16 dequantization for the emulated fprop (None: dequantize in the graph); gradients
+    cached dequantization (in ``kernels.gemm_operand_dtype``) for the emulated fprop (None: dequantize in the graph); gradients
     flow to ``weight``, the master parameter. Precisions are plain strings so graphs print and
     cache."""
     return _RecipeLinear.apply(x, weight, bias, weight_q, weight_s, weight_deq, fprop, dgrad, wgrad)

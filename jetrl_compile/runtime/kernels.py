@@ -1,12 +1,29 @@
-"""FP8 GEMM kernels, chosen by device. The numerics contract is the same on every path.
+"""GEMM kernels, chosen by device. The numerics contract is the same on every path.
 
-``fp8_gemm(a, b)`` returns ``bf16(deq(a) @ deq(b)^T)`` with float32 accumulation, where ``a`` is an
+**The GEMM definition.** Every GEMM a recipe defines, BF16 or FP8, is ``bf16(sum_k a[m,k] b[n,k])``
+over BF16-valued operands (FP8 operands dequantize exactly to BF16 values) with float32
+accumulation and one rounding to BF16. ``bf16_gemm`` computes it, on one of two paths:
+
+- ``"native"``: torch's BF16 matmul. Fast where the hardware has BF16 dot products (CUDA; x86 with
+  AVX-512 BF16 or AMX; Arm with BF16 through oneDNN).
+- ``"fp32"``: an FP32 matmul of the exactly upcast operands, rounded once to BF16. The same
+  definition (float32 products of BF16 values are exact; only the order of the float32 sums, which
+  the definition leaves open, can differ). CPUs without BF16 dot products (AVX2-only x86, AVX-512
+  without BF16) have no fast BF16 kernel: there torch's BF16 matmul ran 80x slower than FP32.
+
+``bf16_gemm_path(device)`` picks the path: from the hardware (probed once per process), or as
+``JETRL_BF16_GEMM=native|fp32`` forces it (``auto``, the default, probes). It is read when a GEMM
+runs eagerly and when a graph is traced, so a compiled graph keeps the path it was traced with;
+set the switch before ``unify`` and before starting an engine. Trainer and rollout engine in one
+process call the same function, so they always take the same path and stay bitwise equal.
+
+**FP8 GEMMs.** ``fp8_gemm(a, b)`` returns ``bf16(deq(a) @ deq(b)^T)`` with float32 accumulation, where ``a`` is an
 ``(M, K)`` payload in 1 x 128 groups along K and ``b`` an ``(N, K)`` payload in 128 x 128 blocks or
 1 x 128 groups along K (see ``quantize.dequantize``).
 
-- **Emulation** (CPU, and any device without FP8 tensor cores): dequantize both operands to BF16
-  (exact, because scales are powers of two) and run one BF16 matmul with float32 accumulation.
-  Under torch.compile, Inductor fuses the dequantize into the loops that feed the matmul. This
+- **Emulation** (CPU, and any device without FP8 tensor cores): dequantize both operands
+  (exact, because scales are powers of two) and run ``bf16_gemm`` on them, dequantizing straight
+  into the path's operand dtype (``gemm_operand_dtype``). Under torch.compile, Inductor fuses the dequantize into the loops that feed the matmul. This
   is not ``torch._scaled_mm``: on CPU that is a scalar reference loop, about 10,000x slower.
 - **CUDA sm90** with cuBLAS blockwise scaling (``torch.nn.functional.scaled_mm``, or
   ``torch._scaled_mm`` where torch has no ``F.scaled_mm``): a real FP8 tensor-core GEMM for
@@ -20,11 +37,84 @@ from __future__ import annotations
 
 import functools
 import os
+import platform
 
 import torch
 import torch.nn.functional as F
 
 from .quantize import GROUP, Quantized, block_scale_shape, dequantize, fake_quantize_groupwise, fused_quantize_groupwise
+
+
+BF16 = torch.bfloat16
+BF16_GEMM_PATHS = ("native", "fp32")
+BF16_GEMM_SWITCH = "JETRL_BF16_GEMM"
+
+
+def bf16_gemm_path(device: torch.device | str) -> str:
+    """``"native"`` or ``"fp32"``: how a GEMM of BF16 operands runs on ``device`` (module docstring)."""
+    forced = os.environ.get(BF16_GEMM_SWITCH, "auto")
+    if forced not in ("auto", *BF16_GEMM_PATHS):
+        raise ValueError(f"{BF16_GEMM_SWITCH}={forced!r} is unknown; choose auto, native or fp32")
+    if forced != "auto":
+        return forced
+    if torch.device(device).type != "cpu":
+        return "native"
+    return "native" if cpu_has_bf16_dot_product() else "fp32"
+
+
+def cpu_has_bf16_dot_product() -> bool:
+    """Whether this CPU multiplies BF16 in hardware through torch's oneDNN matmul: AVX-512 BF16
+    or AMX on x86, BF16 through oneDNN elsewhere."""
+    return _CPU_HAS_BF16_DOT_PRODUCT
+
+
+def _probe_cpu_bf16_dot_product() -> bool:
+    # oneDNN honours ONEDNN_MAX_CPU_ISA, so a capped ISA counts as the CPU it is capped to.
+    onednn_bf16 = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    if platform.machine().lower() in ("x86_64", "amd64", "i386", "i686"):
+        return onednn_bf16 and (torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
+    return onednn_bf16
+
+
+# A hardware fact, probed once per process at import: a plain constant for Dynamo to read when it
+# traces bf16_gemm_path (the probe's torch.backends calls would break the graph).
+_CPU_HAS_BF16_DOT_PRODUCT = _probe_cpu_bf16_dot_product()
+
+
+def gemm_operand_dtype(device: torch.device | str) -> torch.dtype:
+    """The dtype ``bf16_gemm`` multiplies in on ``device``: BF16, or FP32 on the ``fp32`` path.
+    Operands already made in it (the weight cache's dequantized weights) skip a conversion."""
+    return torch.float32 if bf16_gemm_path(device) == "fp32" else BF16
+
+
+def bf16_gemm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``bf16(a @ b^T + bias)`` with float32 accumulation and one rounding, in BF16.
+
+    ``a`` (M, K), ``b`` (N, K) and ``bias`` (N,) hold BF16 values, as BF16 tensors or as exact
+    FP32 upcasts of them (dequantized FP8 operands are either); the caller rounds anything else
+    to BF16 first. The bias joins the float32 accumulator before the rounding.
+    """
+    if gemm_operand_dtype(a.device) == BF16:
+        return F.linear(a.to(BF16), b.to(BF16), None if bias is None else bias.to(BF16))
+    return torch.ops.jetrl.gemm_fp32(a, b, bias)
+
+
+@torch.library.custom_op("jetrl::gemm_fp32", mutates_args=())
+def _gemm_fp32(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """The ``fp32`` path of ``bf16_gemm``, one opaque op so that it runs the same code eagerly and
+    compiled. Left to Inductor, the upcasts were materialised in other layouts and the bias fused
+    into ``addmm``: the FP32 BLAS then summed in another order, and compiled results differed from
+    eager ones by a BF16 ulp. Here the operands are always row-major and the bias joins the
+    finished float32 sum."""
+    y = torch.mm(a.float().contiguous(), b.float().contiguous().t())
+    if bias is not None:
+        y += bias.float()
+    return y.to(BF16)
+
+
+@_gemm_fp32.register_fake
+def _(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return a.new_empty((a.shape[0], b.shape[0]), dtype=BF16)
 
 
 def fp8_gemm(
@@ -35,12 +125,15 @@ def fp8_gemm(
     ``bias`` (BF16) is added to the float32 accumulator before the one rounding to BF16 (the
     CUDA kernel adds it to the BF16 result, within the summation-order tolerance its check uses).
     ``b_dequantized``, when given, is ``dequantize(*b)`` made earlier (the weight cache keeps it
-    per optimizer step); the emulation then skips dequantizing the weight on every call.
+    per optimizer step, in ``gemm_operand_dtype``); the emulation then skips dequantizing the
+    weight on every call.
     """
     if _use_cuda_blockwise(a.data, b):
         y = _scaled_mm_blockwise(a, b)
         return y if bias is None else y + bias
-    return F.linear(dequantize(*a), dequantize(*b) if b_dequantized is None else b_dequantized, bias)
+    dtype = gemm_operand_dtype(a.data.device)
+    b_deq = dequantize(*b, dtype) if b_dequantized is None else b_dequantized
+    return bf16_gemm(dequantize(*a, dtype), b_deq, bias)
 
 
 def fp8_gemm_quantizing(
@@ -51,7 +144,7 @@ def fp8_gemm_quantizing(
     dequantize for the emulation (``fake_quantize_groupwise``), alone before a real FP8 GEMM.
     Same result, bit for bit."""
     if b_dequantized is not None and not _use_cuda_blockwise(x, b):
-        return F.linear(fake_quantize_groupwise(x), b_dequantized, bias)
+        return bf16_gemm(fake_quantize_groupwise(x, gemm_operand_dtype(x.device)), b_dequantized, bias)
     return fp8_gemm(fused_quantize_groupwise(x), b, bias, b_dequantized)
 
 
@@ -63,7 +156,16 @@ def uses_emulation(device: torch.device | str) -> bool:
 
 def kernel_name(device: torch.device | str) -> str:
     """Which kernel ``fp8_gemm`` uses for fprop-layout operands on ``device`` (for reports)."""
-    return "emulated (dequantize + bf16 matmul)" if uses_emulation(device) else "cuda-scaled_mm-blockwise"
+    if not uses_emulation(device):
+        return "cuda-scaled_mm-blockwise"
+    return f"emulated (dequantize + {bf16_gemm_name(device)})"
+
+
+def bf16_gemm_name(device: torch.device | str) -> str:
+    """The BF16 GEMM path on ``device``, in words (for reports and benchmark tables)."""
+    if bf16_gemm_path(device) == "fp32":
+        return "fp32 matmul of bf16 values"
+    return "native bf16 matmul"
 
 
 @functools.cache

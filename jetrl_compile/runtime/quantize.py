@@ -160,8 +160,9 @@ def quantize_blockwise(w: torch.Tensor) -> Quantized:
     return Quantized(_per_block(w, scale, _quantize_op), scale)
 
 
-def fake_quantize_groupwise(x: torch.Tensor) -> torch.Tensor:
-    """``dequantize(*quantize_groupwise(x))`` in BF16: what an emulated FP8 GEMM multiplies by.
+def fake_quantize_groupwise(x: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """``dequantize(*quantize_groupwise(x), dtype)``: what an emulated FP8 GEMM multiplies by
+    (``dtype`` is the GEMM's operand dtype, BF16 or FP32; the values are the same).
 
     Called eagerly (the eager trainer, the vLLM plugin), it runs as one Inductor-fused kernel
     compiled on first use per shape class, instead of some 25 small eager ops per linear (on 2
@@ -171,7 +172,7 @@ def fake_quantize_groupwise(x: torch.Tensor) -> torch.Tensor:
     identity tests compare the two. Inside a graph being compiled it is the plain ops, for the
     surrounding graph to fuse. ``JETRL_FUSED_QUANTIZE=0`` turns the fused kernels off.
     """
-    return _eager_or_fused(_fake_quantize, x)
+    return _eager_or_fused(_fake_quantize, x, dtype)
 
 
 def fused_quantize_groupwise(x: torch.Tensor) -> Quantized:
@@ -179,15 +180,15 @@ def fused_quantize_groupwise(x: torch.Tensor) -> Quantized:
     return _eager_or_fused(quantize_groupwise, x)
 
 
-def _fake_quantize(x: torch.Tensor) -> torch.Tensor:
-    return dequantize(*quantize_groupwise(x))
+def _fake_quantize(x: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    return dequantize(*quantize_groupwise(x), dtype)
 
 
-def _eager_or_fused(fn, x: torch.Tensor):
+def _eager_or_fused(fn, x: torch.Tensor, *args):
     if torch.compiler.is_compiling() or os.environ.get("JETRL_FUSED_QUANTIZE") == "0":
-        return fn(x)
+        return fn(x, *args)
     _check_finite(x, "quantize_groupwise")  # skipped inside the compiled function
-    return _compiled(fn)(x)
+    return _compiled(fn)(x, *args)
 
 
 @functools.cache

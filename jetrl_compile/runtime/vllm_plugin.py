@@ -8,8 +8,8 @@ method in its ``quantization_config``; vLLM then builds each linear with ``Jetrl
   power-of-two block scales, stored here one row per weight row (``BlockScaleRows``) so that any
   fused shard (qkv, gate_up) and any tensor-parallel split of the rows lands on the right scales.
   ``apply`` calls ``linear_with_quantized_weight``, the op the compiler pass puts in the trainer:
-  activations quantized in 1 x 128 groups, one BF16 matmul of the exactly dequantized operands.
-  The BF16 dequantized weight is made once per load (``process_weights_after_loading``, which
+  activations quantized in 1 x 128 groups, one GEMM (``kernels.bf16_gemm``) of the exactly dequantized operands.
+  The dequantized weight (in the BF16 GEMM path's operand dtype) is made once per load (``process_weights_after_loading``, which
   vLLM reruns on every in-place reload), not per token.
 - BF16 rollout recipes: a BF16 ``weight`` and the same op with a BF16 forward.
 
@@ -34,6 +34,7 @@ from vllm.model_executor.parameter import BasevLLMParameter, ModelWeightParamete
 
 from ..export import METHOD, is_power_of_two
 from .fp8_linear import linear_with_quantized_weight
+from .kernels import gemm_operand_dtype
 from .quantize import FP8_DTYPE, GROUP, dequantize
 
 _FIX = "re-export the checkpoint with jetrl_compile.export_vllm(model, path)"
@@ -232,7 +233,7 @@ class JetrlLinearMethod(LinearMethodBase):
             if torch.isnan(getattr(layer, name).float()).any():
                 raise ValueError(f"{self.prefix}.{name} was not (fully) loaded: the checkpoint lacks it or one of its shards; {_FIX}")
         if self.fp8:
-            deq = dequantize(layer.weight.data, layer.weight_scale.data, torch.bfloat16)
+            deq = dequantize(layer.weight.data, layer.weight_scale.data, gemm_operand_dtype(layer.weight.device))
             layer.register_parameter("weight_dequantized", Parameter(deq, requires_grad=False))
 
     def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

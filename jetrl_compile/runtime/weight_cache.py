@@ -10,7 +10,7 @@ training used.
 from __future__ import annotations
 
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -22,7 +22,7 @@ class _Entry:
     param: weakref.ref
     stamp: tuple
     quantized: Quantized
-    dequantized: torch.Tensor | None = None
+    dequantized: dict = field(default_factory=dict)  # dtype -> dequantize(*quantized, dtype)
 
 
 def _stamp(param: torch.Tensor) -> tuple:
@@ -40,13 +40,14 @@ class WeightCache:
         """The current quantization of ``param`` (re-quantized only if it changed)."""
         return self._entry(param).quantized
 
-    def get_dequantized(self, param: torch.Tensor) -> torch.Tensor:
-        """``dequantize(*get(param))`` in BF16, made once per quantization: the exact operand the
-        emulated FP8 GEMM multiplies by, so decode does not dequantize every weight per token."""
+    def get_dequantized(self, param: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+        """``dequantize(*get(param), dtype)``, made once per quantization: the exact operand the
+        emulated FP8 GEMM multiplies by (``dtype``: the GEMM path's operand dtype, BF16 or FP32),
+        so decode does not dequantize every weight per token."""
         entry = self._entry(param)
-        if entry.dequantized is None:
-            entry.dequantized = dequantize(*entry.quantized, torch.bfloat16)
-        return entry.dequantized
+        if dtype not in entry.dequantized:
+            entry.dequantized[dtype] = dequantize(*entry.quantized, dtype)
+        return entry.dequantized[dtype]
 
     def _entry(self, param: torch.Tensor) -> _Entry:
         entry = self._entries.get(id(param))
@@ -60,9 +61,9 @@ class WeightCache:
         return entry
 
     def nbytes(self) -> int:
-        """Bytes held: FP8 payloads, float32 scales and any BF16 dequantized copies."""
+        """Bytes held: FP8 payloads, float32 scales and any dequantized copies."""
         return sum(
-            e.quantized.data.nbytes + e.quantized.scale.nbytes + (e.dequantized.nbytes if e.dequantized is not None else 0)
+            e.quantized.data.nbytes + e.quantized.scale.nbytes + sum(d.nbytes for d in e.dequantized.values())
             for e in self._entries.values()
         )
 
