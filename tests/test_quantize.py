@@ -1,6 +1,7 @@
 """The one quantizer: DESIGN.md section 4, pinned element by element."""
 
 import math
+import os
 
 import pytest
 import torch
@@ -176,3 +177,28 @@ def test_fused_fake_quantize_still_raises_under_check_finite(monkeypatch):
     monkeypatch.setenv("JETRL_CHECK_FINITE", "1")
     with pytest.raises(FloatingPointError, match="quantize_groupwise"):
         fake_quantize_groupwise(torch.tensor([[1.0, float("inf")]]))
+
+
+def test_fused_quantize_is_bitwise_in_avx2_code_too(tmp_path):
+    """The fused kernels as Inductor compiles them for an AVX2-only CPU (forced through
+    ATEN_CPU_CAPABILITY, whatever this CPU is): the eager trainer and the vLLM plugin run them on
+    such CPUs. The kernel cache is the test's own: Inductor reuses a kernel compiled under another
+    ATEN_CPU_CAPABILITY on the same machine, and that one gave wrong payloads and heap corruption."""
+    import subprocess
+    import sys
+
+    script = """
+import torch
+from jetrl_compile.runtime.quantize import _fake_quantize, fake_quantize_groupwise, fused_quantize_groupwise, quantize_groupwise
+assert torch.backends.cpu.get_cpu_capability() == "AVX2"
+for dtype in (torch.bfloat16, torch.float32):
+    for m, n in ((3, 128), (16, 300), (5, 576)):
+        x = (torch.randn(m, n) * 10.0 ** torch.randint(-20, 20, (m, 1)).float()).to(dtype)
+        a, b = fused_quantize_groupwise(x), quantize_groupwise(x)
+        assert torch.equal(a.scale, b.scale) and torch.equal(a.data.view(torch.uint8), b.data.view(torch.uint8)), (m, n)
+        assert torch.equal(fake_quantize_groupwise(x, torch.float32), _fake_quantize(x, torch.float32)), (m, n)
+print("ok")
+"""
+    env = {**os.environ, "ATEN_CPU_CAPABILITY": "avx2", "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]
