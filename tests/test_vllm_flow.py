@@ -91,24 +91,6 @@ def test_vllm_linears_compute_the_trainers_op_at_load_and_after_sync(flow):
     assert [c.logprobs for g in after for c in g] != [c.logprobs for g in before for c in g]
 
 
-@pytest.mark.parametrize("recipe", ["fp8_fwd_bf16_bwd", "bf16"])
-def test_vllm_linears_are_the_trainers_on_either_bf16_gemm_path(recipe, gemm_path, tmp_path):
-    """With the BF16 GEMM path forced either way, the plugin and the trainer take it alike: every
-    linear inside vLLM stays bitwise the trainer's op, and the plugin keeps its dequantized
-    weights in that path's operand dtype."""
-    model = _unified(recipe)
-    engine = VllmEngine(model, workdir=tmp_path, max_model_len=256)
-    try:
-        with captured_linears(engine.vllm_model) as seen:
-            engine.generate(PROMPTS[:3], n=2, max_new_tokens=6, seed=3)
-        assert_linears_identical(model, seen)
-        layer = engine.vllm_model.model.layers[0].mlp.down_proj
-        if recipe == "fp8_fwd_bf16_bwd":
-            assert layer.weight_dequantized.dtype == gemm_operand_dtype("cpu")
-    finally:
-        engine.close()
-
-
 @pytest.mark.slow
 def test_smollm2_linears_in_vllm_compute_the_trainers_op(tmp_path):
     """SmolLM2: hidden 576 (partial blocks), fused k/v shards of 192 rows (not multiples of 128),
@@ -272,3 +254,22 @@ def test_plain_vllm_refuses_a_corrupt_export_naming_the_tensor(tmp_path, corrupt
     _corrupt(path, corruption)
     with pytest.raises(Exception, match=message):
         LLM(model=str(path), skip_tokenizer_init=True, enforce_eager=True, max_model_len=128, dtype="float32")
+
+
+@pytest.mark.parametrize("recipe", ["fp8_fwd_bf16_bwd", "bf16"])
+def test_vllm_linears_are_the_trainers_on_either_bf16_gemm_path(recipe, gemm_path, tmp_path):
+    """With the BF16 GEMM path forced either way, the plugin and the trainer take it alike: every
+    linear inside vLLM stays bitwise the trainer's op, and the plugin keeps its dequantized
+    weights in that path's operand dtype. Last in the module: closing an engine tears down vLLM's
+    process-wide parallel state, which the module's shared engine still needs."""
+    model = _unified(recipe)
+    engine = VllmEngine(model, workdir=tmp_path, max_model_len=256)
+    try:
+        with captured_linears(engine.vllm_model) as seen:
+            engine.generate(PROMPTS[:3], n=2, max_new_tokens=6, seed=3)
+        assert_linears_identical(model, seen)
+        layer = engine.vllm_model.model.layers[0].mlp.down_proj
+        if recipe == "fp8_fwd_bf16_bwd":
+            assert layer.weight_dequantized.dtype == gemm_operand_dtype("cpu")
+    finally:
+        engine.close()
