@@ -214,6 +214,7 @@ def test_fp8_logits_differ_slightly_from_bf16_and_equal_swapped_op_reference():
 
 
 def test_dump_writes_graphs_and_precision_report(tmp_path, monkeypatch):
+    monkeypatch.setenv("JETRL_BF16_GEMM", "fp32")  # the report names the path; fixed for the expectation
     monkeypatch.setenv("JETRL_DUMP", "1")
     monkeypatch.setenv("JETRL_DUMP_DIR", str(tmp_path))
     model = tiny_model("llama", layers=2)
@@ -240,6 +241,7 @@ def test_dump_writes_graphs_and_precision_report(tmp_path, monkeypatch):
 
 Recipe `fp8_fwd_bf16_bwd`: rewrote 14 of 15 linears; skipped lm_head.
 Read off the compiled graphs: forward yes, backward yes.
+FP8 GEMM kernel: emulated (dequantize + fp32 matmul of bf16 values); BF16 GEMM path: `fp32`.
 
 | module | shape (N, K) | fprop | dgrad | wgrad |
 |---|---|---|---|---|
