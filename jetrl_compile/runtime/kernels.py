@@ -72,7 +72,9 @@ def _probe_cpu_bf16_dot_product() -> bool:
     # oneDNN honours ONEDNN_MAX_CPU_ISA, so a capped ISA counts as the CPU it is capped to.
     onednn_bf16 = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
     if platform.machine().lower() in ("x86_64", "amd64", "i386", "i686"):
-        return onednn_bf16 and (torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
+        # Private torch.cpu probes (present in torch 2.11-2.13); a torch without them counts as no.
+        probes = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
+        return onednn_bf16 and any(getattr(torch.cpu, p, lambda: False)() for p in probes)
     return onednn_bf16
 
 
