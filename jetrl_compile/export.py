@@ -11,7 +11,7 @@ Two formats:
 - ``"jetrl"`` (default): our vLLM quantization method (``runtime/vllm_plugin.py``). Quantized
   linears hold ``weight`` (float8_e4m3fn) and ``weight_scale`` (float32, one per 128 x 128 block);
   vLLM then runs the trainer's GEMM definition: activations quantized in 1 x 128 groups, the
-  same BF16 matmul. Everything else (embeddings, norms, linears the recipe skips) keeps the
+  same BF16 GEMM. Everything else (embeddings, norms, linears the recipe skips) keeps the
   trainer's parameter dtype, so vLLM's non-GEMM ops run in the precision the trainer's do.
 - ``"fp8"``: vLLM's native block-FP8 checkpoint (``quant_method: fp8``, ``weight_block_size:
   [128, 128]``, ``weight_scale_inv``) for serving without our plugin. Same weight bytes, but

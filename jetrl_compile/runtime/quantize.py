@@ -5,7 +5,7 @@
   ``amax <= 448 * s`` (UE8M0-style); ``amax == 0`` gives ``s = 1``. Scales are float32.
 - Payload ``q = e4m3(x / s)``; dequantized value ``q * s``. Since ``s`` is a power of two, the
   division is exact and ``q * s`` is exactly representable in BF16: an FP8 GEMM can be emulated
-  exactly by a BF16 matmul over dequantized operands.
+  exactly by one BF16 GEMM (``kernels.bf16_gemm``) over dequantized operands.
 - Weights: 128 x 128 blocks; activations: 1 x 128 groups along the last dim. A dimension that is
   not a multiple of 128 ends in a partial group; scales have ``ceil(n / 128)`` entries along it.
 - Non-finite input is never laundered into finite numbers: a group holding NaN or inf gets a
