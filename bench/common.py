@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 RESULTS = Path(__file__).parent / "results"
+CPU_SWITCHES = ("ONEDNN_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY", "JETRL_BF16_GEMM")
 
 
 def median_seconds(fn, reps: int, warmup: int = 2) -> float:
@@ -51,11 +52,13 @@ def machine() -> str:
         pass
     from jetrl_compile.runtime.kernels import bf16_gemm_name
 
-    # The CPU kind decides which BF16 GEMM path runs (kernels.bf16_gemm): name both.
+    # The CPU kind decides which BF16 GEMM path runs (kernels.bf16_gemm): name both, and any
+    # variable that capped the CPU or forced the path for this run.
+    forced = [f"{k}={os.environ[k]}" for k in CPU_SWITCHES if k in os.environ]
     return (
         f"{cpu} (torch CPU capability {torch.backends.cpu.get_cpu_capability()}), {os.cpu_count()} cores, "
         f"torch {torch.__version__} ({torch.get_num_threads()} threads), python {platform.python_version()}; "
-        f"BF16 GEMMs: {bf16_gemm_name('cpu')}"
+        f"BF16 GEMMs: {bf16_gemm_name('cpu')}" + (f"; set: {' '.join(forced)}" if forced else "")
     )
 
 

@@ -102,6 +102,7 @@ def main(argv=None):
     parser.add_argument("--quick", action="store_true", help="SmolLM2 shapes only")
     parser.add_argument("--reps", type=int, default=9, help="timed runs per variant (fewer for the largest GEMMs)")
     parser.add_argument("--result-name", default="linear", help="write bench/results/<name>.md")
+    argv = sys.argv[1:] if argv is None else argv
     args = parser.parse_args(argv)
     shapes = SMOLLM2 + ([] if args.quick else LLAMA_8B)
     rows = []
@@ -118,8 +119,7 @@ def main(argv=None):
         " the ratio is the cost of the quantize/dequantize passes next to the matmul. Target: "
         "fp8_fwd_bf16_bwd forward+backward within 1.3x of BF16 at 2048 tokens on the 8B shapes."
     )
-    command = "python bench/linear.py" + (" --quick" if args.quick else "")
-    write_result(args.result_name, command, body)
+    write_result(args.result_name, " ".join(["python bench/linear.py", *argv]), body)
 
 
 if __name__ == "__main__":

@@ -37,6 +37,16 @@ def tiny_model(family: str = "llama", layers: int = 1, seed: int = 0, dtype=torc
     return model.to(dtype)
 
 
+def assert_within_gemm_definition(got, a, b):
+    """``got`` is ``bf16(a @ b^T)`` (float64 operands holding the GEMM's BF16 values) up to one
+    rounding to BF16 (relative 2**-8) and float32 summation in any order, at most
+    ``K * 2**-24 * sum_k |a_k b_k|``."""
+    ref = a @ b.t()
+    tol = ref.abs() * 2.0**-8 + a.shape[1] * 2.0**-24 * (a.abs() @ b.abs().t())
+    err = (got.double() - ref).abs()
+    assert torch.all(err <= tol), f"max excess {(err - tol).max().item():.3g}"
+
+
 def assert_same_quantization(a, b):
     """Two (payload, scale) pairs are bitwise equal (FP8 payloads compared as bytes)."""
     (qa, sa), (qb, sb) = a, b

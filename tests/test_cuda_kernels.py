@@ -6,7 +6,7 @@ import torch.nn.functional as F
 
 from jetrl_compile.runtime import Quantized, dequantize, quantize_blockwise, quantize_groupwise
 from jetrl_compile.runtime import kernels
-from tests.conftest import assert_same_quantization
+from tests.conftest import assert_same_quantization, assert_within_gemm_definition
 
 pytestmark = [
     pytest.mark.cuda,
@@ -44,10 +44,7 @@ def test_blockwise_scaled_mm_matches_emulation_within_summation_error(scaled_mm_
     a, b = _operands(layout, x, w, dy)
     assert kernels._use_cuda_blockwise(a.data, b)
     y = kernels.fp8_gemm(a, b)
-    da, db = dequantize(*a).double(), dequantize(*b).double()
-    ref = da @ db.t()
-    tol = ref.abs() * 2.0**-8 + da.shape[1] * 2.0**-24 * (da.abs() @ db.abs().t())
-    assert torch.all((y.double() - ref).abs() <= tol)
+    assert_within_gemm_definition(y, dequantize(*a).double(), dequantize(*b).double())
 
 
 def test_emulation_on_cuda_equals_cpu_bitwise_for_the_quantizer():

@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from jetrl_compile.runtime import dequantize, fp8_linear, quantize_blockwise, quantize_groupwise
 from jetrl_compile.runtime.kernels import bf16_gemm, kernel_name
 from jetrl_compile.unify import FP8_BACKWARD_INDUCTOR_OPTIONS
+from tests.conftest import assert_within_gemm_definition
 
 BF16 = torch.bfloat16
 pytestmark = pytest.mark.usefixtures("gemm_path")
@@ -32,14 +33,8 @@ def test_forward_matches_float64_gemm_definition_within_one_bf16_rounding():
     y = fp8_linear(x, w)
     xd = dequantize(*quantize_groupwise(x.detach()), torch.float64)
     wd = dequantize(*quantize_blockwise(w.detach()), torch.float64)
-    ref = xd @ wd.t()
-    # Tolerance: one rounding of the float32 sum to BF16 (relative 2**-8) plus float32 summation
-    # error, at most K * 2**-24 * sum_k |x_k w_k| for any summation order.
-    k = x.shape[1]
-    sum_abs = xd.abs() @ wd.abs().t()
-    tol = ref.abs() * 2.0**-8 + k * 2.0**-24 * sum_abs
     assert y.dtype == BF16
-    assert torch.all((y.double() - ref).abs() <= tol)
+    assert_within_gemm_definition(y, xd, wd)
 
 
 def test_forward_is_one_gemm_of_dequantized_operands():

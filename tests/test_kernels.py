@@ -13,6 +13,7 @@ from jetrl_compile.runtime.kernels import (
     cpu_has_bf16_dot_product,
     gemm_operand_dtype,
 )
+from tests.conftest import assert_within_gemm_definition
 
 BF16, F64 = torch.bfloat16, torch.float64
 
@@ -52,19 +53,10 @@ def test_the_path_decision_compiles_without_a_graph_break(monkeypatch):
     assert torch.equal(compiled(x, w), fp8_linear(x, w))
 
 
-def _within_definition_bound(got: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
-    """``got`` is ``bf16(a @ b^T)`` (float64 operands holding BF16 values) up to one BF16 rounding
-    and float32 summation in any order: |got - ref| <= |ref| 2**-8 + K 2**-24 sum_k |a_k b_k|."""
-    ref = a @ b.t()
-    tol = ref.abs() * 2.0**-8 + a.shape[1] * 2.0**-24 * (a.abs() @ b.abs().t())
-    err = (got.double() - ref).abs()
-    assert torch.all(err <= tol), f"max excess {(err - tol).max().item():.3g}"
-
-
 def test_bf16_gemm_is_the_definition_on_both_paths(gemm_path):
     torch.manual_seed(1)
     a, b = (torch.randn(64, 1536) * 3).to(BF16), (torch.randn(96, 1536) * 0.02).to(BF16)
-    _within_definition_bound(bf16_gemm(a, b), a.double(), b.double())
+    assert_within_gemm_definition(bf16_gemm(a, b), a.double(), b.double())
 
 
 def _q_act(t: torch.Tensor) -> torch.Tensor:
@@ -87,12 +79,12 @@ def test_every_recipe_gemm_forward_and_backward_is_the_definition_on_both_paths(
     w8 = dequantize(*quantize_blockwise(w.detach()), F64)
 
     fprop_a, fprop_b = (_q_act(x16), w8) if r.fprop.is_fp8 else (x16.double(), w16.double())
-    _within_definition_bound(y.detach(), fprop_a, fprop_b)
+    assert_within_gemm_definition(y.detach(), fprop_a, fprop_b)
     dgrad_a, dgrad_b = (_q_act(dy), w8.t()) if r.dgrad.is_fp8 else (dy.double(), w16.double().t())
-    _within_definition_bound(x.grad, dgrad_a, dgrad_b)
+    assert_within_gemm_definition(x.grad, dgrad_a, dgrad_b)
     if r.wgrad.is_fp8:
         wgrad_a, wgrad_b = _q_act(dy.t()), _q_act(x16.t())
     else:
         wgrad_a, wgrad_b = dy.double().t(), x16.double().t()
-    _within_definition_bound(w.grad, wgrad_a, wgrad_b)
+    assert_within_gemm_definition(w.grad, wgrad_a, wgrad_b)
     assert x.grad.dtype == w.grad.dtype == torch.float32

@@ -2,6 +2,7 @@
 
 import math
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -189,16 +190,20 @@ def test_fused_quantize_is_bitwise_in_avx2_code_too(tmp_path):
 
     script = """
 import torch
-from jetrl_compile.runtime.quantize import _fake_quantize, fake_quantize_groupwise, fused_quantize_groupwise, quantize_groupwise
+from jetrl_compile.runtime.quantize import (
+    _fake_quantize, fake_quantize_groupwise, fused_quantize_groupwise, quantize_groupwise,
+)
+from tests.conftest import assert_same_quantization
 assert torch.backends.cpu.get_cpu_capability() == "AVX2"
 for dtype in (torch.bfloat16, torch.float32):
     for m, n in ((3, 128), (16, 300), (5, 576)):
         x = (torch.randn(m, n) * 10.0 ** torch.randint(-20, 20, (m, 1)).float()).to(dtype)
-        a, b = fused_quantize_groupwise(x), quantize_groupwise(x)
-        assert torch.equal(a.scale, b.scale) and torch.equal(a.data.view(torch.uint8), b.data.view(torch.uint8)), (m, n)
+        assert_same_quantization(fused_quantize_groupwise(x), quantize_groupwise(x))
         assert torch.equal(fake_quantize_groupwise(x, torch.float32), _fake_quantize(x, torch.float32)), (m, n)
 print("ok")
 """
     env = {**os.environ, "ATEN_CPU_CAPABILITY": "avx2", "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=600, cwd=Path(__file__).parents[1]
+    )
     assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]

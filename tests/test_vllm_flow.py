@@ -59,7 +59,9 @@ def trainer_op(model, vllm_name: str, x: torch.Tensor) -> torch.Tensor:
         if fprop == "fp8":
             q, s = state.cache.get(m.weight)
             deq = state.cache.get_dequantized(m.weight, gemm_operand_dtype(x.device))
-        outs.append(linear_with_quantized_weight(x, m.weight, m.bias, q, s, deq, fprop=fprop, dgrad="bf16", wgrad="bf16"))
+        outs.append(
+            linear_with_quantized_weight(x, m.weight, m.bias, q, s, deq, fprop=fprop, dgrad="bf16", wgrad="bf16")
+        )
     return torch.cat(outs, dim=-1)
 
 

@@ -9,9 +9,9 @@ the weight (or bias) of which ``nn.Linear``. It matches the forms Dynamo produce
 
 Each match whose weight belongs to an eligible ``nn.Linear`` becomes
 ``linear_with_quantized_weight(x, W, b, W_q, W_s[, W_deq], fprop=..., dgrad=..., wgrad=...)``,
-where ``W_q``, ``W_s`` (and, for the emulated kernel, the dequantization ``W_deq`` in the GEMM's operand dtype) are new
-placeholders appended after the existing ones: the caller feeds them from the weight cache, so a
-weight is quantized once per optimizer step, not once per call. A parameter
+where ``W_q``, ``W_s`` (and, for the emulated kernel, the dequantization ``W_deq`` in the GEMM's
+operand dtype) are new placeholders appended after the existing ones: the caller feeds them from
+the weight cache, so a weight is quantized once per optimizer step, not once per call. A parameter
 used by a GEMM the pass cannot prove eligible is left untouched and reported with the reason.
 """
 
@@ -136,7 +136,8 @@ def rewrite_linears(
     parameters. Returns every GEMM site on a parameter, rewritten or skipped (with the reason).
 
     ``dequantized_weights``: for an FP8 fprop, also add a ``<weight>_fp8_dequantized`` input, the
-    dequantization of the cached payload (BF16 or FP32, the GEMM path's operand dtype), which the emulated GEMM multiplies by directly.
+    dequantization of the cached payload (BF16 or FP32, the GEMM path's operand dtype), which the
+    emulated GEMM multiplies by directly.
     """
     graph = gm.graph
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]

@@ -88,9 +88,9 @@ def linear_with_quantized_weight(
 ) -> torch.Tensor:
     """The op the compiler pass inserts: ``weight_q``/``weight_s`` are the cached 128 x 128
     quantization of ``weight`` (None when no GEMM of the recipe is FP8) and ``weight_deq`` its
-    cached dequantization (in ``kernels.gemm_operand_dtype``) for the emulated fprop (None: dequantize in the graph); gradients
-    flow to ``weight``, the master parameter. Precisions are plain strings so graphs print and
-    cache."""
+    cached dequantization (in ``kernels.gemm_operand_dtype``) for the emulated fprop (None:
+    dequantize in the graph); gradients flow to ``weight``, the master parameter. Precisions are
+    plain strings so graphs print and cache."""
     return _RecipeLinear.apply(x, weight, bias, weight_q, weight_s, weight_deq, fprop, dgrad, wgrad)
 
 

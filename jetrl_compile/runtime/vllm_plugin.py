@@ -8,9 +8,10 @@ method in its ``quantization_config``; vLLM then builds each linear with ``Jetrl
   power-of-two block scales, stored here one row per weight row (``BlockScaleRows``) so that any
   fused shard (qkv, gate_up) and any tensor-parallel split of the rows lands on the right scales.
   ``apply`` calls ``linear_with_quantized_weight``, the op the compiler pass puts in the trainer:
-  activations quantized in 1 x 128 groups, one GEMM (``kernels.bf16_gemm``) of the exactly dequantized operands.
-  The dequantized weight (in the BF16 GEMM path's operand dtype) is made once per load (``process_weights_after_loading``, which
-  vLLM reruns on every in-place reload), not per token.
+  activations quantized in 1 x 128 groups, one GEMM (``kernels.bf16_gemm``) of the exactly
+  dequantized operands. The dequantized weight (in the BF16 GEMM path's operand dtype) is made
+  once per load (``process_weights_after_loading``, which vLLM reruns on every in-place reload),
+  not per token.
 - BF16 rollout recipes: a BF16 ``weight`` and the same op with a BF16 forward.
 
 Classes live at module level: vLLM pickles the config into its engine process.
