@@ -122,7 +122,7 @@ def _(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None) -> torch.Tens
 def fp8_gemm(
     a: Quantized, b: Quantized, bias: torch.Tensor | None = None, b_dequantized: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """``bf16(deq(a) @ deq(b)^T + bias)``, the GEMM definition of DESIGN.md section 4.
+    """``bf16(deq(a) @ deq(b)^T + bias)``, the GEMM definition (module docstring).
 
     ``bias`` (BF16) is added to the float32 accumulator before the one rounding to BF16 (the
     CUDA kernel adds it to the BF16 result, within the summation-order tolerance its check uses).
