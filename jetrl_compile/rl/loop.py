@@ -8,7 +8,8 @@ Per step, as in the paper's algorithm:
 3. ``score``: exact-answer + format rewards;
 4. ``group_advantages``: rewards normalised within each prompt's group;
 5. ``policy_update``: the trainer (the unified model: FP32 master weights, every GEMM from the
-   recipe's BF16/FP8 copies) recomputes the sampled tokens' logprobs, takes the clipped policy
+   recipe's BF16/FP8 copies) recomputes the sampled tokens' logprobs (one packed forward per
+   group: the prompt once, its G completions beside it), takes the clipped policy
    loss against the rollout's logprobs, and steps AdamW; a non-finite loss or gradient refuses
    the step (weights and optimizer state untouched);
 6. ``engine.sync``: the new quantized weights go into the engine in place.
@@ -34,7 +35,7 @@ from ..unify import unify
 from .checkpoint import latest_checkpoint, load_checkpoint, restore_rng, save_checkpoint
 from .config import GrpoConfig
 from .grpo import clipped_policy_loss, group_advantages
-from .logprobs import token_logprobs
+from .logprobs import group_logprobs
 from .mismatch import mismatch_metrics
 from .plot import plot_metrics
 from .tasks import Problem, Task, make_task
@@ -89,21 +90,26 @@ def score(task: Task, tokenizer, problems: list[Problem], groups: list[list[Comp
 def policy_update(model, optimizer, prompts, groups, advantages: torch.Tensor, cfg: GrpoConfig, pad_token_id: int,
                   ref_model=None) -> UpdateStats:
     """One optimizer step on the clipped policy loss, token-level mean over the whole batch,
-    accumulated over micro-batches. Refused (no step) if the loss or gradient is not finite."""
-    items = [(p, c, advantages[i, j]) for i, (p, g) in enumerate(zip(prompts, groups)) for j, c in enumerate(g) if c.token_ids]
-    total_tokens = sum(len(c.token_ids) for _, c, _ in items)
+    accumulated over micro-batches of whole groups (each prompt runs once for its G completions).
+    Refused (no step) if the loss or gradient is not finite."""
+    total_tokens = sum(len(c.token_ids) for g in groups for c in g)
+    per_micro_batch = max(1, cfg.micro_batch // cfg.group_size)
     optimizer.zero_grad(set_to_none=True)
     loss_sum, clipped, new_all, old_all = 0.0, 0, [], []
-    for start in range(0, len(items), cfg.micro_batch):
-        chunk = items[start : start + cfg.micro_batch]
-        mb_prompts, mb_tokens = [p for p, _, _ in chunk], [c.token_ids for _, c, _ in chunk]
-        new = token_logprobs(model, mb_prompts, mb_tokens, pad_token_id=pad_token_id, max_new_tokens=cfg.max_new_tokens)
-        old = [torch.tensor(c.logprobs) for _, c, _ in chunk]
+    for start in range(0, len(prompts), per_micro_batch):
+        mb = range(start, min(start + per_micro_batch, len(prompts)))
+        mb_prompts = [prompts[i] for i in mb]
+        mb_groups = [[c.token_ids for c in groups[i] if c.token_ids] for i in mb]
+        if not any(mb_groups):
+            continue
+        new = group_logprobs(model, mb_prompts, mb_groups, pad_token_id=pad_token_id)
+        old = [torch.tensor(c.logprobs) for i in mb for c in groups[i] if c.token_ids]
+        adv = torch.stack([advantages[i, j] for i in mb for j, c in enumerate(groups[i]) if c.token_ids])
         ref = None
         if ref_model is not None and cfg.beta:
             with torch.no_grad():
-                ref = token_logprobs(ref_model, mb_prompts, mb_tokens, pad_token_id=pad_token_id, max_new_tokens=cfg.max_new_tokens)
-        parts = clipped_policy_loss(new, old, torch.stack([a for _, _, a in chunk]), clip_eps=cfg.clip_eps, ref_logprobs=ref, beta=cfg.beta)
+                ref = group_logprobs(ref_model, mb_prompts, mb_groups, pad_token_id=pad_token_id)
+        parts = clipped_policy_loss(new, old, adv, clip_eps=cfg.clip_eps, ref_logprobs=ref, beta=cfg.beta)
         (parts.loss_sum / total_tokens).backward()
         loss_sum += parts.loss_sum.item()
         clipped += parts.clipped

@@ -49,15 +49,16 @@ def _flat(x) -> torch.Tensor:
 def rollout_mismatch(model, engine, prompts: list[list[int]], *, n: int = 1, max_new_tokens: int = 64,
                      temperature: float = 1.0, seed: int = 0, pad_token_id: int = 0, batch_size: int = 16) -> dict[str, float]:
     """Sample with ``engine``, recompute the sampled tokens' logprobs with ``model`` (no grad, in
-    batches of ``batch_size`` sequences) and return ``mismatch_metrics`` of the two."""
-    from .logprobs import token_logprobs
+    batches of about ``batch_size`` sequences, whole groups) and return ``mismatch_metrics`` of the two."""
+    from .logprobs import group_logprobs
 
     groups = engine.generate(prompts, n=n, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed)
-    pairs = [(p, c) for p, group in zip(prompts, groups) for c in group if c.token_ids]
+    per_batch = max(1, batch_size // n)
     rollout, trainer = [], []
     with torch.no_grad():
-        for i in range(0, len(pairs), batch_size):
-            chunk = pairs[i : i + batch_size]
-            trainer += token_logprobs(model, [p for p, _ in chunk], [c.token_ids for _, c in chunk], pad_token_id=pad_token_id)
-            rollout += [c.logprobs for _, c in chunk]
+        for i in range(0, len(prompts), per_batch):
+            chunk = [[c for c in g if c.token_ids] for g in groups[i : i + per_batch]]
+            trainer += group_logprobs(model, prompts[i : i + per_batch], [[c.token_ids for c in g] for g in chunk],
+                                      pad_token_id=pad_token_id)
+            rollout += [c.logprobs for g in chunk for c in g]
     return mismatch_metrics(rollout, trainer)
