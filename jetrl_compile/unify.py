@@ -15,7 +15,9 @@ its ``__call__`` goes through ``torch.compile`` with our backend:
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import dataclasses
 import logging
 from dataclasses import dataclass, field
 
@@ -132,7 +134,7 @@ def unify(
         _make_room_for_another_compiled_model()
         model.compile(backend=JetrlBackend(model, state, compiler), dynamic=dynamic, fullgraph=fullgraph)
     else:
-        _patch_linears_eager(model, state)
+        state.patched = _patch_linears_eager(model, state.recipe, state.cache)
     setattr(model, _STATE_ATTR, state)
     _ensure_log_handler()
     return model
@@ -345,23 +347,47 @@ def _detached_copy(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     return new
 
 
-def _patch_linears_eager(model: nn.Module, state: UnifiedState) -> None:
-    """``mode="eager"``: each eligible nn.Linear calls the recipe op directly, no compile."""
-    recipe = state.recipe
+def _patch_linears_eager(model: nn.Module, recipe: Recipe, cache: WeightCache) -> list[nn.Module]:
+    """Each eligible nn.Linear calls the recipe op directly, no compile; returns the patched modules."""
     needs_q = recipe.fprop.is_fp8 or recipe.dgrad.is_fp8
+    patched = []
     for name, module in model.named_modules():
         if not isinstance(module, nn.Linear) or recipe.skip_reason(name) is not None:
             continue
 
         def forward(x, module=module):
-            q, s = state.cache.get(module.weight) if needs_q else (None, None)
+            q, s = cache.get(module.weight) if needs_q else (None, None)
             deq = None
             if recipe.fprop.is_fp8 and uses_emulation(module.weight.device):
-                deq = state.cache.get_dequantized(module.weight, gemm_operand_dtype(module.weight.device))
+                deq = cache.get_dequantized(module.weight, gemm_operand_dtype(module.weight.device))
             return linear_with_quantized_weight(
                 x, module.weight, module.bias, q, s, deq,
                 fprop=recipe.fprop.dtype, dgrad=recipe.dgrad.dtype, wgrad=recipe.wgrad.dtype,
             )
 
         module.forward = forward
-        state.patched.append(module)
+        patched.append(module)
+    return patched
+
+
+@contextlib.contextmanager
+def rollout_forward(model: nn.Module):
+    """Within this block the unified ``model`` computes the recipe's rollout forward, for an
+    engine that samples with the trainer's own model (``HfEngine``). Nothing changes for an
+    on-policy recipe (its rollout GEMM is its training forward); for ``fp8_rollout_only`` every
+    eligible linear runs the FP8 op eagerly on the trainer's cached weight quantization, the
+    function vLLM samples with, and the training forward (compiled or eager) is back on exit."""
+    state = unified_state(model)
+    if state.recipe.on_policy:
+        yield model
+        return
+    compiled, model._compiled_call_impl = model._compiled_call_impl, None
+    sampling = _patch_linears_eager(model, dataclasses.replace(state.recipe, fprop=state.recipe.rollout), state.cache)
+    try:
+        yield model
+    finally:
+        for module in sampling:
+            del module.forward
+        if state.mode == "eager":
+            state.patched = _patch_linears_eager(model, state.recipe, state.cache)
+        model._compiled_call_impl = compiled

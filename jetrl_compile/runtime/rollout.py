@@ -13,6 +13,7 @@ processors, which is what the trainer recomputes.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
 import time
@@ -209,7 +210,8 @@ class VllmEngine(RolloutEngine):
 
 
 class HfEngine(RolloutEngine):
-    """transformers ``generate`` on the unified model: the trainer's own compiled forward."""
+    """transformers ``generate`` on the unified model: the trainer's own forward, or for an
+    off-policy recipe (``fp8_rollout_only``) the same model with the recipe's rollout GEMM."""
 
     name = "hf"
 
@@ -230,7 +232,10 @@ class HfEngine(RolloutEngine):
         for i, p in enumerate(prompts):  # left padding: every prompt ends where generation starts
             ids[i, width - len(p):] = torch.tensor(p)
             mask[i, width - len(p):] = 1
-        with torch.random.fork_rng(devices=[]), torch.no_grad():
+        from ..unify import _STATE_ATTR, rollout_forward
+
+        sampling = rollout_forward(model) if hasattr(model, _STATE_ATTR) else contextlib.nullcontext()
+        with torch.random.fork_rng(devices=[]), torch.no_grad(), sampling:
             torch.manual_seed(seed)
             out = model.generate(
                 input_ids=ids.to(device), attention_mask=mask.to(device), do_sample=True, temperature=temperature,
