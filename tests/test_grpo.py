@@ -166,6 +166,26 @@ def test_resume_refuses_another_runs_or_a_corrupt_checkpoint(tmp_path):
         _run(_cfg(tmp_path / "empty", steps=2, resume=True))
 
 
+class _RunsCodeWhenUnpickled:
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (Path.touch, (self.marker,))
+
+
+def test_resume_never_unpickles_code(tmp_path):
+    cfg = _cfg(tmp_path, steps=1)
+    _run(cfg)
+    path, marker = latest_checkpoint(cfg.out), tmp_path / "code-ran"
+    state = torch.load(path, weights_only=True)
+    state["task"]["payload"] = _RunsCodeWhenUnpickled(marker)
+    torch.save(state, path)
+    with pytest.raises(ValueError, match="cannot be read as a jetrl_compile checkpoint"):
+        _run(_cfg(tmp_path, steps=2, resume=True))
+    assert not marker.exists()
+
+
 def test_gsm8k_lines_and_answer_extraction(tmp_path):
     data = tmp_path / "gsm8k.jsonl"
     rows = [

@@ -1,6 +1,6 @@
 """Checkpoints that let ``--resume`` continue a GRPO run bit for bit.
 
-One file holds everything the next step depends on: FP32 master weights, optimizer state, the
+One file holds everything, as plain data (loaded with ``weights_only=True``): the next step depends on: FP32 master weights, optimizer state, the
 step, the task's data position and RNG state, torch's RNG state, and the run-defining settings
 (a checkpoint of another run is refused, naming the setting that differs). Files are written to
 a temporary name and renamed, so a crash mid-write leaves the previous checkpoint intact; only
@@ -54,9 +54,14 @@ def save_checkpoint(out, step: int, model, optimizer, task_state: dict, run: dic
 def load_checkpoint(path: Path, run: dict) -> dict:
     """The checkpoint's state, after checking it belongs to the run ``run`` describes."""
     try:
-        state = torch.load(path, map_location="cpu", weights_only=False)
+        # tensors, numbers, strings, lists, tuples and dicts only: a checkpoint from elsewhere
+        # cannot run code on --resume
+        state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # noqa: BLE001 - any unpickling failure means the file is unusable
-        raise ValueError(f"checkpoint {path} cannot be read ({type(e).__name__}: {e}); delete it to start over") from e
+        raise ValueError(
+            f"checkpoint {path} cannot be read as a jetrl_compile checkpoint ({type(e).__name__}: {e}); "
+            "delete it to start over"
+        ) from e
     if not isinstance(state, dict) or state.get("format") != FORMAT:
         raise ValueError(f"checkpoint {path} is not a jetrl_compile GRPO checkpoint (format {FORMAT})")
     for key, value in run.items():
