@@ -229,6 +229,7 @@ class JetrlBackend:
 
     def __init__(self, model: nn.Module, state: UnifiedState, compiler: str = "inductor"):
         self.model, self.state, self.compiler = model, state, compiler
+        self.dump_folder = dump.model_folder(state.recipe.name)
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs):
         state, recipe = self.state, self.state.recipe
@@ -238,7 +239,7 @@ class JetrlBackend:
         params = {n.name: table[id(x)] for n, x in zip(placeholders, example_inputs) if id(x) in table}
 
         if dump.dump_enabled():
-            dump.write_graph(record.graph_id, "dynamo_before", gm)
+            dump.write_graph(self.dump_folder, record.graph_id, "dynamo_before", gm)
         gm = _detached_copy(gm)
         device = next(self.model.parameters()).device
         # The BF16 GEMM path is read once per graph: the dequantized weights fed to it are made in
@@ -248,7 +249,7 @@ class JetrlBackend:
         record.rewrite = rewrite_linears(gm, params, recipe, dequantized_weights=uses_emulation(device))
         log.info("graph %d (%s): %s", record.graph_id, recipe.name, record.rewrite.summary())
         if dump.dump_enabled():
-            dump.write_graph(record.graph_id, "dynamo_after", gm)
+            dump.write_graph(self.dump_folder, record.graph_id, "dynamo_after", gm)
 
         # (weight placeholder index, whether the site also takes the dequantized weight)
         weight_inputs = [(s.weight_input, s.dequantized_input is not None) for s in record.rewrite.rewritten if s.quant_inputs]
@@ -319,8 +320,8 @@ class JetrlBackend:
             record.forward, record.forward_has_fp8 = gemms, graph_has_fp8(aot_gm)
         if dump.dump_enabled():
             name = "aot_backward" if backward else ("aot_forward_inference" if inference else "aot_forward")
-            dump.write_graph(record.graph_id, name, aot_gm)
-            dump.write_report(record.graph_id, record.report(self.state.recipe))
+            dump.write_graph(self.dump_folder, record.graph_id, name, aot_gm)
+            dump.write_report(self.dump_folder, record.graph_id, record.report(self.state.recipe))
 
 
 def _static_fakes(tensors: list[torch.Tensor], example_inputs) -> list[torch.Tensor]:

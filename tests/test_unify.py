@@ -221,13 +221,21 @@ def test_dump_writes_graphs_and_precision_report(tmp_path, monkeypatch):
     jetrl_compile.unify(model, "fp8_fwd_bf16_bwd")
     ids = _ids(1, 16)
     model(ids, labels=ids).loss.backward()
+    # a second model in the same process (a reference model, another recipe) gets its own folder
+    other = jetrl_compile.unify(tiny_model("llama", layers=1), "bf16", compiler="aot_eager")
+    with torch.no_grad():
+        other(ids)
     (run,) = tmp_path.iterdir()
-    files = sorted(p.name for p in (run / "graph_000").iterdir())
+    first, second = sorted(run.iterdir(), key=lambda p: int(p.name.split("-")[0].removeprefix("model_")))
+    assert first.name.endswith("-fp8_fwd_bf16_bwd") and second.name.endswith("-bf16")
+    files = sorted(p.name for p in (first / "graph_000").iterdir())
     assert files == [
         "aot_backward.py", "aot_forward.py", "dynamo_after.py", "dynamo_before.py",
         "precision_report.json", "precision_report.md",
     ]
-    graph = run / "graph_000"
+    assert {"dynamo_before.py", "dynamo_after.py", "precision_report.json"} <= {p.name for p in (second / "graph_000").iterdir()}
+    assert json.loads((second / "graph_000" / "precision_report.json").read_text())["recipe"] == "bf16"
+    graph = first / "graph_000"
     assert "f8e4m3fn" in (graph / "aot_forward.py").read_text()
     assert "f8e4m3fn" not in (graph / "aot_backward.py").read_text()
     assert "linear_with_quantized_weight" in (graph / "dynamo_after.py").read_text()

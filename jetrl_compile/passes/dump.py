@@ -1,8 +1,10 @@
 """``JETRL_DUMP=1``: write every graph the pass saw and produced, and the precision report.
 
 Each process that compiles writes into a fresh folder ``$JETRL_DUMP_DIR/<YYYYmmdd-HHMMSS>-<pid>/``
-(``JETRL_DUMP_DIR`` defaults to ``./jetrl_dump``); nothing is overwritten between runs. Inside,
-one folder per compiled graph, ``graph_000/``, ``graph_001/``, ... holds:
+(``JETRL_DUMP_DIR`` defaults to ``./jetrl_dump``), and each model unified in that process its own
+folder in it, ``model_<n>-<recipe>/`` (n counts unify calls from 0), so nothing is overwritten:
+not between runs, not by a second model (a reference model, two recipes compared in one script).
+Inside, one folder per compiled graph, ``graph_000/``, ``graph_001/``, ... holds:
 
 - ``dynamo_before.py``: the graph Dynamo captured, before the pass,
 - ``dynamo_after.py``: after the pass (``linear_with_quantized_weight`` calls, precisions as kwargs),
@@ -39,8 +41,18 @@ def run_dir() -> Path:
     return _RUN_DIR
 
 
-def graph_dir(graph_id: int) -> Path:
-    path = run_dir() / f"graph_{graph_id:03d}"
+_models = 0
+
+
+def model_folder(recipe: str) -> str:
+    """A new model's folder name, ``model_<n>-<recipe>``, unique in this process."""
+    global _models
+    _models += 1
+    return f"model_{_models - 1}-{recipe}"
+
+
+def graph_dir(model: str, graph_id: int) -> Path:
+    path = run_dir() / model / f"graph_{graph_id:03d}"
     path.mkdir(parents=True, exist_ok=True)
     return path
 
@@ -49,14 +61,14 @@ def graph_text(gm: fx.GraphModule) -> str:
     return gm.print_readable(print_output=False, include_stride=True, include_device=True)
 
 
-def write_graph(graph_id: int, name: str, gm: fx.GraphModule) -> Path:
-    path = graph_dir(graph_id) / f"{name}.py"
+def write_graph(model: str, graph_id: int, name: str, gm: fx.GraphModule) -> Path:
+    path = graph_dir(model, graph_id) / f"{name}.py"
     path.write_text(graph_text(gm))
     return path
 
 
-def write_report(graph_id: int, report: dict) -> None:
-    folder = graph_dir(graph_id)
+def write_report(model: str, graph_id: int, report: dict) -> None:
+    folder = graph_dir(model, graph_id)
     (folder / "precision_report.json").write_text(json.dumps(report, indent=2) + "\n")
     (folder / "precision_report.md").write_text(report_markdown(report))
 
