@@ -1,4 +1,4 @@
-"""The one quantizer: DESIGN.md section 4, pinned element by element."""
+"""The one quantizer (docs/design.md, section 2), pinned element by element."""
 
 import math
 import os
@@ -64,6 +64,39 @@ def test_scale_is_the_smallest_power_of_two_covering_amax():
     assert s[0] == 1.0 and s[1] == 2.0 and s[5] == 0.5 and s[6] == 1.0
 
 
+def test_torchaos_scale_is_our_exact_rule_bit_for_bit_from_1e_12_up():
+    from torchao.float8.float8_utils import amax_to_scale
+
+    from jetrl_compile.runtime.quantize import TORCHAO_MIN_AMAX, _exact_power_of_two_scale, _power_of_two_scale
+
+    # every float32 in the two binades around 448 (where log2 rounding could land a power off),
+    # each edge 448 * 2**k with its neighbours, and random magnitudes over the whole range
+    binades = torch.arange(0x43800000, 0x44800000, dtype=torch.int32)  # 256.0 .. 1024.0.view(torch.float32)
+    edges = (FP8_MAX * torch.exp2(torch.arange(-45, 121, dtype=torch.float64))).float()
+    up, down = torch.nextafter(edges, torch.tensor(math.inf)), torch.nextafter(edges, torch.tensor(0.0))
+    spread = torch.exp(torch.empty(200_000, dtype=torch.float64).uniform_(math.log(1e-12), math.log(3e38))).float()
+    amax = torch.cat([binades, edges, up, down, spread, torch.tensor([TORCHAO_MIN_AMAX, 3.4e38])])
+    amax = amax[amax >= TORCHAO_MIN_AMAX]
+    assert torch.equal(_power_of_two_scale(amax), _exact_power_of_two_scale(amax))
+    # the one case torchao's own rounding gets wrong (one power too small: the group saturates)
+    # and the quantizer corrects: amax one float32 ulp above 448 * 2**k
+    torchao = 1.0 / amax_to_scale(up, FP8_DTYPE, round_scales_to_power_of_2=True)
+    assert (up > FP8_MAX * torchao).any()
+    assert torch.all(up <= FP8_MAX * _power_of_two_scale(up))
+
+
+def test_below_torchaos_amax_floor_our_rule_holds():
+    amax = torch.tensor([0.0, 1e-13, 1e-20, 1e-30, 1e-37])
+    x = torch.zeros(len(amax), 128)
+    x[:, 0] = amax
+    q, s = quantize_groupwise(x)
+    s = s.squeeze(-1)
+    assert s[0] == 1.0  # a zero group keeps scale 1 (torchao's rule would give 2**-48)
+    assert torch.all(amax[1:] <= FP8_MAX * s[1:])
+    assert torch.all(amax[1:4] > FP8_MAX * s[1:4] / 2)  # the smallest power of two; 1e-37 hits 2**-126
+    assert torch.all(q[1:4, 0].float() >= FP8_MAX / 2)  # tiny groups still use FP8's full range
+
+
 def test_dequantized_values_are_exact_in_bf16():
     torch.manual_seed(2)
     w = torch.randn(300, 200)
@@ -126,7 +159,7 @@ def test_dequantize_rejects_mismatched_scale():
 
 
 def test_partial_blocks_compiled_equal_eager():
-    """DESIGN.md 5b: a padded formulation compiled to a loop that skipped the tail columns."""
+    """docs/design.md, pitfall 1: a padded formulation compiled to a loop that skipped the tail columns."""
     torch.manual_seed(4)
     x = torch.randn(6, 200, dtype=torch.bfloat16) * 3
     w = torch.randn(200, 300)
@@ -167,7 +200,9 @@ def test_fused_quantize_is_bitwise_quantize_groupwise(transposed):
     from jetrl_compile.runtime.quantize import fused_quantize_groupwise
 
     g = torch.Generator().manual_seed(7)
-    x = (torch.randn(300, 200, generator=g) * 10.0 ** torch.randint(-20, 20, (300, 1), generator=g).float()).to(torch.bfloat16)
+    x = (
+        torch.randn(300, 200, generator=g) * 10.0 ** torch.randint(-20, 20, (300, 1), generator=g).float()
+    ).to(torch.bfloat16)
     x = x.t() if transposed else x
     assert_same_quantization(fused_quantize_groupwise(x), quantize_groupwise(x))
 
@@ -204,6 +239,7 @@ print("ok")
 """
     env = {**os.environ, "ATEN_CPU_CAPABILITY": "avx2", "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
     proc = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=600, cwd=Path(__file__).parents[1]
+        [sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=600,
+        cwd=Path(__file__).parents[1],
     )
     assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]

@@ -1,4 +1,4 @@
-"""The one FP8 quantizer (DESIGN.md section 4). Trainer, exporter and rollout engine all call it.
+"""The one FP8 quantizer (docs/design.md, section 2). Trainer, exporter and rollout engine all call it.
 
 - Format: ``torch.float8_e4m3fn``, largest finite value 448, saturating cast.
 - Scale of a group: ``s = 2 ** ceil(log2(amax / 448))``, the smallest power of two with
@@ -15,16 +15,15 @@
 - Scales are clamped to ``[2**-126, 2**127]`` so they stay normal float32 numbers; a group whose
   amax is below ``448 * 2**-126`` (about 5e-36) underflows to zeros and FP8 subnormals.
 
-Everything here is our own code, not torchao's: torchao's float8 scaling casts with a free float32
-scale (``amax_to_scale``) and its power-of-two option rounds that scale after computing it in a
-way that does not promise the group never saturates. Our rule is exact by construction (see
-``_power_of_two_scale``). torchao's blockwise training kernels use the same 1x128 / 128x128
-layout, so payloads and scales from here are laid out the way those kernels and vLLM's
-``weight_scale_inv`` expect.
+The scale and the saturating cast are torchao's float8 utilities (``amax_to_scale`` with
+power-of-two rounding, ``to_fp8_saturated``). torchao's scale, inverted, is ours for every amax
+from ``1e-12`` up, once one rounding case is corrected (amax just above ``448 * 2**k``, where it
+would saturate); below ``1e-12`` (zero included) torchao clamps the amax and our own rule
+(``_exact_power_of_two_scale``) keeps the contract (docs/design.md, section 2.1).
 
-Implementation note (Inductor CPU pitfall, DESIGN.md 5b): padding to a multiple of 128 with
-``F.pad``, reducing per group and slicing back compiled to a loop that wrote only the first block.
-So full groups and the partial tail group are handled as two separate tensors and joined with
+Implementation note (docs/design.md, pitfall 1): padding to a multiple of 128 with ``F.pad``,
+reducing per group and slicing back compiled to a loop that wrote only the first block. So full
+groups and the partial tail group are handled as two separate tensors and joined with
 ``torch.cat``; tests check partial groups compiled as well as eager.
 """
 
@@ -35,11 +34,14 @@ import os
 from typing import NamedTuple
 
 import torch
+from torchao.float8.float8_utils import amax_to_scale, to_fp8_saturated
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
 GROUP = 128
 _MIN_EXP, _MAX_EXP = -126, 127
+# torchao clamps amax to at least this before taking 448 / amax; below it our rule takes over
+TORCHAO_MIN_AMAX = 1e-12
 
 
 class Quantized(NamedTuple):
@@ -105,24 +107,39 @@ def _dequantize_op(q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
 def _power_of_two_scale(amax: torch.Tensor) -> torch.Tensor:
     """``2 ** ceil(log2(amax / 448))`` as float32, exact; 1 where amax is 0; NaN/inf propagate.
 
-    ``log2`` of the rounded quotient can land one power off when ``amax / 448`` rounds onto a power
-    of two; one comparison against the exact product ``448 * s`` fixes that in either direction.
+    From ``amax >= 1e-12`` up this is torchao's power-of-two scale ``2 ** floor(log2(448 / amax))``
+    inverted, with one correction: just above ``448 * 2**k`` the float32 quotient and ``log2``
+    land torchao's scale one power too small, and the group would saturate. Smaller amax (and 0),
+    which torchao clamps, take our own rule (docs/design.md, section 2.1).
     """
     amax = amax.float()
+    torchao_scale = _one_power_off_fixed(1.0 / amax_to_scale(amax, FP8_DTYPE, round_scales_to_power_of_2=True), amax)
+    return torch.where(amax >= TORCHAO_MIN_AMAX, torchao_scale, _exact_power_of_two_scale(amax))
+
+
+def _exact_power_of_two_scale(amax: torch.Tensor) -> torch.Tensor:
+    """Our own rule, valid for every amax: ``2 ** ceil(log2(amax / 448))`` within ``[2**-126,
+    2**127]``, 1 for a zero group; a non-finite amax is returned as the scale."""
     exponent = torch.ceil(torch.log2(amax / FP8_MAX)).clamp(_MIN_EXP, _MAX_EXP)
-    s = torch.exp2(exponent)
-    s = torch.where(amax > FP8_MAX * s, s * 2, s)  # rounded down onto a power of two
-    s = torch.where((amax <= FP8_MAX * (s / 2)) & (s > 2.0**_MIN_EXP), s / 2, s)  # rounded up
+    s = _one_power_off_fixed(torch.exp2(exponent), amax)
     s = torch.where(amax == 0, torch.ones_like(s), s)
     # A non-finite amax becomes the scale itself (NaN or inf), so the group cannot turn finite:
     # x / inf and inf / inf give 0 and NaN payloads, and q * inf dequantizes every element to NaN.
     return torch.where(torch.isfinite(amax), s, amax)
 
 
+def _one_power_off_fixed(s: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
+    """A power-of-two scale computed through a rounded quotient and ``log2`` can land one power
+    off when the quotient rounds onto a power of two; one comparison against the exact product
+    ``448 * s`` fixes it in either direction."""
+    s = torch.where(amax > FP8_MAX * s, s * 2, s)  # rounded down: the group would saturate
+    return torch.where((amax <= FP8_MAX * (s / 2)) & (s > 2.0**_MIN_EXP), s / 2, s)  # rounded up
+
+
 def cast_saturated(x: torch.Tensor) -> torch.Tensor:
-    """Round to e4m3 with saturation at +-448 (NaN stays NaN). The clamp is explicit so the
-    result does not depend on how each backend's cast treats out-of-range values."""
-    return x.clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    """Round to e4m3 with saturation at +-448 (NaN stays NaN): torchao's ``to_fp8_saturated``,
+    whose clamp is explicit so the result does not depend on each backend's out-of-range cast."""
+    return to_fp8_saturated(x, FP8_DTYPE)
 
 
 def _check_finite(x: torch.Tensor, what: str) -> None:
