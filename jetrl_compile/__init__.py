@@ -5,6 +5,8 @@
     engine = jetrl_compile.make_engine(model)          # vLLM running the trainer's FP8 op
 """
 
+import logging
+
 __version__ = "0.1.0"
 
 from .export import export_vllm, validate_export
@@ -30,3 +32,7 @@ __all__ = [
     "unify",
     "validate_export",
 ]
+
+# the library logs (one line per compiled graph, the GRPO loop's warnings); applications choose
+# the handlers, as examples/train_grpo.py does
+logging.getLogger(__name__).addHandler(logging.NullHandler())

@@ -37,7 +37,7 @@ log = logging.getLogger("jetrl_compile")
 _STATE_ATTR = "_jetrl_state"
 MODES = ("compile", "eager")
 COMPILERS = ("inductor", "aot_eager")
-# Inductor CPU pitfall (DESIGN.md 5b): in an FP8-backward graph, the quantize of dy (groups along
+# Inductor CPU pitfall (docs/design.md, pitfall 2): in an FP8-backward graph, the quantize of dy (groups along
 # N, for dgrad) and of dy^T (groups along M, for wgrad) read the same buffer in two loop orders;
 # fused horizontally, the loop splitter asserts (`try_loop_split`, var_ranges mismatch). Keeping
 # horizontal fusion off in those backward graphs compiles them; vertical fusion (quantize into
@@ -136,28 +136,38 @@ def unify(
     else:
         state.patched = _patch_linears_eager(model, state.recipe, state.cache)
     setattr(model, _STATE_ATTR, state)
-    _ensure_log_handler()
     return model
 
 
 _unified_models = 0
+# each compiled unify adds this many entries to Dynamo's recompile_limit; restore takes them back
+_RECOMPILE_ENTRIES_PER_MODEL = 8
 
 
 def _make_room_for_another_compiled_model() -> None:
     """Every unified model adds Dynamo cache entries to the same transformers code objects (each
     has its own backend, and Dynamo guards on the backend). Past ``recompile_limit`` (8 by
     default) Dynamo silently runs the frame eagerly, which would mean BF16 where the recipe says
-    FP8; so each unify raises the limit by a model's worth of entries."""
+    FP8; so each compiled unify raises the limit by a model's worth of entries (docs/design.md,
+    pitfall 10), and ``restore`` lowers it again."""
     global _unified_models
     _unified_models += 1
-    config = torch._dynamo.config
-    config.recompile_limit = max(config.recompile_limit, 8 * (_unified_models + 1))
+    torch._dynamo.config.recompile_limit += _RECOMPILE_ENTRIES_PER_MODEL
+
+
+def _give_back_room() -> None:
+    global _unified_models
+    _unified_models -= 1
+    torch._dynamo.config.recompile_limit -= _RECOMPILE_ENTRIES_PER_MODEL
 
 
 def restore(model: nn.Module) -> nn.Module:
-    """Undo ``unify``: the model runs its original eager forward again."""
+    """Undo ``unify``: the model runs its original eager forward again, and what unify changed
+    process-wide (Dynamo's recompile limit) is back as it was."""
     state = unified_state(model)
-    model._compiled_call_impl = None
+    if state.mode == "compile":
+        model._compiled_call_impl = None
+        _give_back_room()
     for module in state.patched:
         del module.forward
     state.cache.clear()
@@ -189,7 +199,10 @@ def _check_model(model) -> None:
             "call jetrl_compile.restore(model) before unifying it again"
         )
     if getattr(model, "_compiled_call_impl", None) is not None:
-        raise RuntimeError(f"this {type(model).__name__} is already torch.compile'd; unify compiles it itself: pass the uncompiled model")
+        raise RuntimeError(
+            f"this {type(model).__name__} is already torch.compile'd; unify compiles it itself: "
+            "pass the uncompiled model"
+        )
     linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
     if not linears:
         raise ValueError(
@@ -200,15 +213,10 @@ def _check_model(model) -> None:
         if p.is_meta:
             raise ValueError(f"parameter {name} is on the meta device; load real weights before unify")
         if not p.is_floating_point() or p.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
-            raise ValueError(f"parameter {name} has dtype {p.dtype}; unify needs a floating-point (FP32/BF16) model, not an already-quantized one")
-
-
-def _ensure_log_handler() -> None:
-    if not log.handlers and not logging.getLogger().handlers:
-        handler = logging.StreamHandler()
-        handler.setFormatter(logging.Formatter("[jetrl_compile] %(message)s"))
-        log.addHandler(handler)
-        log.setLevel(logging.INFO)
+            raise ValueError(
+                f"parameter {name} has dtype {p.dtype}; unify needs a floating-point (FP32/BF16) model, "
+                "not an already-quantized one"
+            )
 
 
 def _param_table(model: nn.Module) -> dict[int, ParamInfo]:
@@ -252,7 +260,9 @@ class JetrlBackend:
             dump.write_graph(self.dump_folder, record.graph_id, "dynamo_after", gm)
 
         # (weight placeholder index, whether the site also takes the dequantized weight)
-        weight_inputs = [(s.weight_input, s.dequantized_input is not None) for s in record.rewrite.rewritten if s.quant_inputs]
+        weight_inputs = [
+            (s.weight_input, s.dequantized_input is not None) for s in record.rewrite.rewritten if s.quant_inputs
+        ]
         cache = state.cache
 
         def quantized_inputs(args) -> list[torch.Tensor]:

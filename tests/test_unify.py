@@ -1,7 +1,6 @@
 """unify(model, recipe) on tiny random HF models: rewrite coverage, graphs, numerics, training."""
 
 import json
-import re
 
 import pytest
 import torch
@@ -56,7 +55,8 @@ def test_precision_report_reads_every_gemm_on_either_bf16_gemm_path(recipe, gemm
 
 def test_include_lm_head_and_skip_patterns():
     model = tiny_model("llama", layers=2)
-    jetrl_compile.unify(model, "fp8_fwd_bf16_bwd", include_lm_head=True, skip=["*.layers.1.mlp.*"], compiler="aot_eager")
+    jetrl_compile.unify(model, "fp8_fwd_bf16_bwd", include_lm_head=True, skip=["*.layers.1.mlp.*"],
+                        compiler="aot_eager")
     with torch.no_grad():
         model(_ids(1, 8))
     (report,) = jetrl_compile.precision_report(model)
@@ -191,7 +191,8 @@ class _SwappedLinear(nn.Module):
 def _swap_linears(model):
     for name, module in list(model.named_modules()):
         for child_name, child in list(module.named_children()):
-            if isinstance(child, nn.Linear) and not f"{name}.{child_name}".endswith("lm_head") and child_name != "lm_head":
+            if (isinstance(child, nn.Linear) and not f"{name}.{child_name}".endswith("lm_head")
+                    and child_name != "lm_head"):
                 setattr(module, child_name, _SwappedLinear(child))
     return model
 
@@ -233,7 +234,9 @@ def test_dump_writes_graphs_and_precision_report(tmp_path, monkeypatch):
         "aot_backward.py", "aot_forward.py", "dynamo_after.py", "dynamo_before.py",
         "precision_report.json", "precision_report.md",
     ]
-    assert {"dynamo_before.py", "dynamo_after.py", "precision_report.json"} <= {p.name for p in (second / "graph_000").iterdir()}
+    assert {"dynamo_before.py", "dynamo_after.py", "precision_report.json"} <= {
+        p.name for p in (second / "graph_000").iterdir()
+    }
     assert json.loads((second / "graph_000" / "precision_report.json").read_text())["recipe"] == "bf16"
     graph = first / "graph_000"
     assert "f8e4m3fn" in (graph / "aot_forward.py").read_text()
@@ -338,3 +341,19 @@ def test_clear_errors():
         jetrl_compile.unify(compiled)
     with pytest.raises(ValueError, match="unify mode 'fast' is unknown"):
         jetrl_compile.unify(tiny_model("llama"), mode="fast")
+
+
+def test_unify_and_restore_leave_the_process_as_they_found_it():
+    import logging
+
+    limit = torch._dynamo.config.recompile_limit
+    root_handlers = list(logging.getLogger().handlers)
+    models = [jetrl_compile.unify(tiny_model("llama"), "bf16", compiler="aot_eager") for _ in range(3)]
+    assert torch._dynamo.config.recompile_limit > limit  # room for each model's graphs
+    eager = jetrl_compile.unify(tiny_model("llama"), "bf16", mode="eager")
+    for model in [*models, eager]:
+        jetrl_compile.restore(model)
+    assert torch._dynamo.config.recompile_limit == limit
+    library = logging.getLogger("jetrl_compile")
+    assert all(isinstance(h, logging.NullHandler) for h in library.handlers) and library.level == logging.NOTSET
+    assert logging.getLogger().handlers == root_handlers
