@@ -86,7 +86,9 @@ def run_in_subprocess(script: str, worker_arg: str, extra: list[str]) -> dict:
     import sys
 
     env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0")
-    proc = subprocess.run([sys.executable, script, "--worker", worker_arg, *extra], capture_output=True, text=True, env=env)
+    proc = subprocess.run(
+        [sys.executable, script, "--worker", worker_arg, *extra], capture_output=True, text=True, env=env
+    )
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     if proc.returncode or not lines:
         print(proc.stderr[-3000:], file=sys.stderr)

@@ -37,7 +37,9 @@ def run_recipe(recipe: str, args) -> dict:
     timed = rows[args.warmup:]
     result = {k: statistics.median(r[k] for r in timed) for k in PHASES}
     result["first_step_s"] = rows[0]["step_s"]
-    result["tokens_per_step"] = statistics.median(r["completion_tokens_mean"] * args.batch_size * args.group_size for r in timed)
+    result["tokens_per_step"] = statistics.median(
+        r["completion_tokens_mean"] * args.batch_size * args.group_size for r in timed
+    )
     result["peak_rss_gib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
     return result
 
@@ -72,10 +74,11 @@ def main():
             cells.append(f"{r[k]:.2f}{ratio}")
         cells += [f"{r['first_step_s']:.0f}", f"{r['tokens_per_step']:.0f}", f"{r['peak_rss_gib']:.1f}"]
         rows.append(cells)
-    body = table(["recipe", "rollout s", "train s", "sync s", "step s", "first step s (compile)", "completion tokens/step",
-                  "peak RSS GiB"], rows)
-    body += (f"\n\n{args.batch_size} prompts x {args.group_size} completions x up to {args.max_new_tokens} new tokens per step, "
-             f"SmolLM2-135M (FP32 master weights), trainer {args.trainer_mode}, engine {args.engine}; medians over steps "
+    body = table(["recipe", "rollout s", "train s", "sync s", "step s", "first step s (compile)",
+                  "completion tokens/step", "peak RSS GiB"], rows)
+    body += (f"\n\n{args.batch_size} prompts x {args.group_size} completions x up to {args.max_new_tokens} "
+             f"new tokens per step, SmolLM2-135M (FP32 master weights), trainer {args.trainer_mode}, "
+             f"engine {args.engine}; medians over steps "
              f"{args.warmup + 1}..{args.steps}; ratios are recipe over bf16 per phase.")
     write_result("e2e", "python bench/e2e.py " + " ".join(sys.argv[1:]), body)
 

@@ -44,9 +44,13 @@ sys.path.insert(0, str(Path(__file__).parent))
 from common import table  # noqa: E402
 
 from jetrl_compile.runtime import (  # noqa: E402
-    Quantized, dequantize, linear_with_quantized_weight, quantize_blockwise, quantize_groupwise,
+    Quantized,
+    dequantize,
+    kernels,  # noqa: E402
+    linear_with_quantized_weight,
+    quantize_blockwise,
+    quantize_groupwise,
 )
-from jetrl_compile.runtime import kernels  # noqa: E402
 
 BF16 = torch.bfloat16
 RECIPE_GEMMS = {  # recipe -> (fprop, dgrad, wgrad), as in jetrl_compile.recipes
@@ -274,9 +278,11 @@ def bench_train_step(device, cfg: dict, batch: int, seq: int, steps: int, report
         peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else float("nan")
         cache = jetrl_compile.unified_state(model).cache
         weights = cache.nbytes() if len(cache) else sum(
-            m.weight.numel() * 2 for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and "lm_head" not in n)
+            m.weight.numel() * 2 for n, m in model.named_modules()
+            if isinstance(m, torch.nn.Linear) and "lm_head" not in n)
         base = base or t
-        rows.append([recipe, f"{t:.3f}", f"{base / t:.2f}x", f"{batch * seq / t:.0f}", f"{peak:.1f}", f"{weights / 2**20:.0f}"])
+        rows.append([recipe, f"{t:.3f}", f"{base / t:.2f}x", f"{batch * seq / t:.0f}", f"{peak:.1f}",
+                     f"{weights / 2**20:.0f}"])
         data[recipe] = {"step_s": t, "peak_gib": peak, "gemm_weight_bytes": weights}
         print(rows[-1], flush=True)
         del model, opt
@@ -336,7 +342,9 @@ def main(argv=None):
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.type != "cuda" and not args.smoke:
-        raise SystemExit("bench/gpu.py needs a CUDA GPU (torch.cuda.is_available() is False); use --smoke to check it on CPU")
+        raise SystemExit(
+            "bench/gpu.py needs a CUDA GPU (torch.cuda.is_available() is False); use --smoke to check it on CPU"
+        )
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(0)
         where = (f"{props.name} (sm{props.major}{props.minor}, {props.total_memory / 2**30:.0f} GiB), torch "
@@ -349,9 +357,15 @@ def main(argv=None):
     size = SMOKE if args.smoke else FULL
     plan = {
         "kernels": lambda ok: check_kernels(device, size["kernel_mnk"], report),
-        "linear": lambda ok: bench_linear(device, size["linear_shapes"], size["linear_tokens"], size["reps"], report, ok),
-        "train_step": lambda ok: bench_train_step(device, size["train_cfg"], *size["train_batch_seq"], size["reps"], report, ok),
-        "decode": lambda ok: bench_decode(device, size["decode_cfg"], *size["decode_batch_prompt_new"], size["decode_reps"], report, ok),
+        "linear": lambda ok: bench_linear(
+            device, size["linear_shapes"], size["linear_tokens"], size["reps"], report, ok
+        ),
+        "train_step": lambda ok: bench_train_step(
+            device, size["train_cfg"], *size["train_batch_seq"], size["reps"], report, ok
+        ),
+        "decode": lambda ok: bench_decode(
+            device, size["decode_cfg"], *size["decode_batch_prompt_new"], size["decode_reps"], report, ok
+        ),
     }
     t0, fp8_ok, failed = time.perf_counter(), False, []
     for name in args.sections.split(","):

@@ -6,8 +6,8 @@ so the ratio is the cost of FP8 on this machine, not of one CPU's slow BF16 kern
 
 Forward, and forward+backward for each FP8 training recipe, at 1, 64 and 2048 tokens. The weight
 is quantized (and, for the CPU emulation, dequantized to BF16) once outside the timed region, as
-``unify``'s weight cache does once per optimizer step. Medians of interleaved runs; the ratios (FP8 time / BF16 time, lower is better) are what
-to read.
+``unify``'s weight cache does once per optimizer step. Medians of interleaved runs; the ratios
+(FP8 time / BF16 time, lower is better) are what to read.
 
     python bench/linear.py            # all shapes
     python bench/linear.py --quick    # SmolLM2 shapes only

@@ -62,12 +62,14 @@ class _PlainVllm:
         from vllm import LLM
 
         self.eos = eos
-        self.llm = LLM(model=str(path), dtype="bfloat16", enforce_eager=True, max_model_len=512, seed=0, max_num_batched_tokens=16384)
+        self.llm = LLM(model=str(path), dtype="bfloat16", enforce_eager=True, max_model_len=512, seed=0,
+                       max_num_batched_tokens=16384)
 
     def generate(self, prompts, *, n, max_new_tokens, seed):
         from vllm import SamplingParams
 
-        params = [SamplingParams(n=n, max_tokens=max_new_tokens, logprobs=0, seed=seed + i, detokenize=False) for i in range(len(prompts))]
+        params = [SamplingParams(n=n, max_tokens=max_new_tokens, logprobs=0, seed=seed + i, detokenize=False)
+                  for i in range(len(prompts))]
         outs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         return [[o for o in out.outputs] for out in outs]
 
@@ -90,7 +92,8 @@ def measure(name: str, args) -> dict:
         if rep:  # the first run warms up
             times.append(elapsed)
             tokens.append(sum(len(c.token_ids) for g in groups for c in g))
-    result = {"tokens_per_s": statistics.median(t / s for t, s in zip(tokens, times)), "tokens": statistics.median(tokens)}
+    result = {"tokens_per_s": statistics.median(t / s for t, s in zip(tokens, times)),
+              "tokens": statistics.median(tokens)}
     if model is not None:
         syncs = []
         for _ in range(args.reps):
@@ -122,7 +125,8 @@ def main():
         sync = f"{r['sync_s']:.2f}" if "sync_s" in r else ""
         rows.append([name, f"{r['tokens_per_s']:.0f}", ratio, sync, f"{r['tokens']:.0f} tokens/run"])
     body = table(["engine", "tokens/s (median)", "vs vllm-bf16", "sync s (median)", "notes"], rows)
-    body += f"\n\n{args.prompts} prompts x up to {args.max_new_tokens} new tokens, n=1, median of {args.reps} runs after a warm-up; eager vLLM (enforce_eager)."
+    body += (f"\n\n{args.prompts} prompts x up to {args.max_new_tokens} new tokens, n=1, median of {args.reps} runs "
+             f"after a warm-up; eager vLLM (enforce_eager).")
     write_result("rollout", "python bench/rollout.py " + " ".join(sys.argv[1:]), body)
 
 

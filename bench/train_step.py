@@ -54,7 +54,9 @@ def gemm_weight_bytes(model) -> int:
     cache = jetrl_compile.unified_state(model).cache
     if len(cache):
         return cache.nbytes()
-    return sum(m.weight.numel() * 2 for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and "lm_head" not in n)
+    return sum(
+        m.weight.numel() * 2 for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and "lm_head" not in n
+    )
 
 
 def main(argv=None):
@@ -106,14 +108,17 @@ def main(argv=None):
             f"{r['saved'] / 2**20:.0f}", f"{r['weights'] / 2**20:.1f}", f"{r['compile_s']:.0f}",
         ])
     body = table(
-        ["recipe", "step s (median)", "vs bf16", "saved for backward MiB", "GEMM weights MiB", "first step s (compile)"],
+        ["recipe", "step s (median)", "vs bf16", "saved for backward MiB", "GEMM weights MiB",
+         "first step s (compile)"],
         rows,
     )
     body += (
         f"\n\nSmolLM2-135M-Instruct, FP32 master weights, batch {args.batch} x {args.seq} tokens, AdamW, "
         f"{args.steps} timed steps per recipe, interleaved. Target: fp8_fwd_bf16_bwd within 1.3x of bf16."
     )
-    cmd = "python bench/train_step.py" + ("" if argv is None and len(sys.argv) == 1 else " " + " ".join(sys.argv[1:] if argv is None else argv))
+    cmd = "python bench/train_step.py" + (
+        "" if argv is None and len(sys.argv) == 1 else " " + " ".join(sys.argv[1:] if argv is None else argv)
+    )
     write_result("train_step", cmd, body)
 
 

@@ -37,7 +37,7 @@ def main():
         from transformers import TrainerCallback
         from trl import GRPOConfig, GRPOTrainer
     except ImportError as e:
-        raise SystemExit(f"bench/trl_peer.py needs TRL ({e}); see its docstring for the install line")
+        raise SystemExit(f"bench/trl_peer.py needs TRL ({e}); see its docstring for the install line") from e
     import torch
 
     from jetrl_compile.models import load_model
@@ -47,7 +47,8 @@ def main():
     task = ArithmeticTask(seed=0)
     problems = [task.sample() for _ in range(args.batch_size * args.steps)]
     data = Dataset.from_list([
-        {"prompt": [{"role": "user", "content": f"{INSTRUCTION}\n\n{p.question}"}], "answer": p.answer} for p in problems
+        {"prompt": [{"role": "user", "content": f"{INSTRUCTION}\n\n{p.question}"}], "answer": p.answer}
+        for p in problems
     ])
 
     def arithmetic_reward(completions, answer, **_):
@@ -83,8 +84,8 @@ def main():
     body = table(["peer", "step s (median, steps 2..N)", "first step s", "reward per step"], [[
         "TRL 1.16 GRPOTrainer (BF16 weights, HF generate)", f"{statistics.median(timed):.1f}", f"{timer.times[0]:.1f}",
         " ".join(f"{r:.3f}" for r in timer.rewards)]])
-    body += (f"\n\n{args.batch_size} prompts x {args.group_size} completions x up to {args.max_new_tokens} tokens per step, "
-             f"SmolLM2-135M, lr {args.lr}, {args.steps} steps.")
+    body += (f"\n\n{args.batch_size} prompts x {args.group_size} completions x up to {args.max_new_tokens} "
+             f"tokens per step, SmolLM2-135M, lr {args.lr}, {args.steps} steps.")
     write_result("trl_peer", "python bench/trl_peer.py " + " ".join(sys.argv[1:]), body)
 
 

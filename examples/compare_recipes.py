@@ -42,7 +42,8 @@ def summarize(name: str, rows: list[dict], window: int) -> list:
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(parser, GrpoConfig(out="runs/compare"))
-    parser.add_argument("--recipes", nargs="+", default=RECIPES, help=f"flows to compare (default: {' '.join(RECIPES)})")
+    parser.add_argument("--recipes", nargs="+", default=RECIPES,
+                        help=f"flows to compare (default: {' '.join(RECIPES)})")
     args = parser.parse_args(argv)
     base = config_from_args(args)
     out = Path(base.out)
@@ -52,7 +53,8 @@ def main(argv=None):
         print(f"== {recipe} ==", flush=True)
         train(cfg)
         runs[recipe] = read_metrics(Path(cfg.out) / "metrics.jsonl")
-    plot_runs(runs, out / "compare.png", title=f"GRPO, {base.task}, seed {base.seed}: one precision flow vs FP8 rollout only")
+    plot_runs(runs, out / "compare.png",
+              title=f"GRPO, {base.task}, seed {base.seed}: one precision flow vs FP8 rollout only")
     window = max(1, min(5, base.steps // 4))
     header = ["recipe", "steps", f"reward (first {window} -> last {window} steps)", "accuracy",
               "median k3 KL", "median mean abs dlogp", "median step s"]

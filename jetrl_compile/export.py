@@ -82,7 +82,9 @@ def rollout_tensors(
         raise ValueError(f"export format {fmt!r} is unknown; choose one of {', '.join(FORMATS)}")
     recipe, cache = rollout_recipe_and_cache(model, recipe)
     if recipe.include_lm_head:
-        raise NotImplementedError("exporting a quantized lm_head to vLLM is not supported; unify with include_lm_head=False")
+        raise NotImplementedError(
+            "exporting a quantized lm_head to vLLM is not supported; unify with include_lm_head=False"
+        )
     dtype = engine_dtype(model, dtype) if fmt == "jetrl" else torch.bfloat16
     linears = {f"{name}.weight" for name in rollout_linears(model, recipe)}
     scale_name = "weight_scale" if fmt == "jetrl" else "weight_scale_inv"
@@ -103,8 +105,12 @@ def quantization_config(model: nn.Module, recipe: str | Recipe | None = None, *,
     recipe, _ = rollout_recipe_and_cache(model, recipe)
     if fmt == "fp8":
         if not recipe.rollout.is_fp8:
-            raise ValueError(f"recipe {recipe.name!r} rolls out in BF16; the native fp8 format needs an FP8 rollout recipe")
-        skipped = [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and recipe.skip_reason(n) is not None]
+            raise ValueError(
+                f"recipe {recipe.name!r} rolls out in BF16; the native fp8 format needs an FP8 rollout recipe"
+            )
+        skipped = [
+            n for n, m in model.named_modules() if isinstance(m, nn.Linear) and recipe.skip_reason(n) is not None
+        ]
         return {
             "quant_method": "fp8",
             "activation_scheme": "dynamic",
@@ -152,7 +158,9 @@ def export_vllm(
     cfg = config.to_dict()
     cfg["architectures"] = [type(model).__name__]  # a config built in code may not name it
     qcfg = quantization_config(model, recipe, fmt=format)
-    cfg["torch_dtype"] = cfg["dtype"] = str(engine_dtype(model, dtype) if format == "jetrl" else torch.bfloat16).removeprefix("torch.")
+    cfg["torch_dtype"] = cfg["dtype"] = str(
+        engine_dtype(model, dtype) if format == "jetrl" else torch.bfloat16
+    ).removeprefix("torch.")
     cfg.pop("quantization_config", None)
     if qcfg is not None:
         cfg["quantization_config"] = qcfg
@@ -177,7 +185,10 @@ def validate_export(path: str | Path) -> dict:
     config_file, weights_file = path / "config.json", path / WEIGHTS_FILE
     for f in (config_file, weights_file):
         if not f.is_file():
-            raise FileNotFoundError(f"{f} is missing: {path} is not a jetrl_compile export; write one with jetrl_compile.export_vllm(model, path)")
+            raise FileNotFoundError(
+                f"{f} is missing: {path} is not a jetrl_compile export; "
+                "write one with jetrl_compile.export_vllm(model, path)"
+            )
     qcfg = json.loads(config_file.read_text()).get("quantization_config") or {}
     if qcfg.get("quant_method") != METHOD:
         return qcfg
@@ -191,7 +202,9 @@ def validate_export(path: str | Path) -> dict:
             w = f.get_slice(w_name)
             if qcfg["rollout"] == "bf16":
                 if w.get_dtype() != "BF16":
-                    raise ValueError(f"{path}: {w_name} has dtype {w.get_dtype()}, expected BF16 (recipe {qcfg['recipe']}); {fix}")
+                    raise ValueError(
+                        f"{path}: {w_name} has dtype {w.get_dtype()}, expected BF16 (recipe {qcfg['recipe']}); {fix}"
+                    )
                 continue
             if w.get_dtype() != "F8_E4M3":
                 raise ValueError(f"{path}: {w_name} has dtype {w.get_dtype()}, expected F8_E4M3; {fix}")

@@ -57,7 +57,8 @@ FP8_WGRAD = GemmPrecision("fp8", lhs="1x128", rhs="128x1")
 # Module-name patterns (fnmatch, on the qualified name) never rewritten to FP8, with the reason.
 # Embeddings, norms, attention and activations are not nn.Linear and are never candidates.
 DEFAULT_SKIP: tuple[tuple[str, str], ...] = (
-    ("lm_head", "lm_head stays in the model dtype: logprobs are what RL optimises (include_lm_head=True to quantize it)"),
+    ("lm_head",
+     "lm_head stays in the model dtype: logprobs are what RL optimises (include_lm_head=True to quantize it)"),
     ("*.router", "MoE routers are never quantized"),
     ("*.mlp.gate", "MoE routers are never quantized"),
     ("*.block_sparse_moe.gate", "MoE routers are never quantized"),
@@ -86,7 +87,7 @@ class Recipe:
     def quantizes_training(self) -> bool:
         return any(g.is_fp8 for g in (self.fprop, self.dgrad, self.wgrad))
 
-    def with_options(self, *, include_lm_head: bool | None = None, skip=None) -> "Recipe":
+    def with_options(self, *, include_lm_head: bool | None = None, skip=None) -> Recipe:
         """A copy with module-selection options changed; the GEMM precisions stay."""
         changes = {}
         if include_lm_head is not None:

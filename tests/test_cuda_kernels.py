@@ -2,10 +2,8 @@
 
 import pytest
 import torch
-import torch.nn.functional as F
 
-from jetrl_compile.runtime import Quantized, dequantize, quantize_blockwise, quantize_groupwise
-from jetrl_compile.runtime import kernels
+from jetrl_compile.runtime import Quantized, dequantize, kernels, quantize_blockwise, quantize_groupwise
 from tests.conftest import assert_same_quantization, assert_within_gemm_definition
 
 pytestmark = [

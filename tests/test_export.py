@@ -62,7 +62,10 @@ def test_bf16_recipe_exports_bf16_linears_and_native_fp8_format(tmp_path):
     t = load_file(str(path / WEIGHTS_FILE))
     w = fp8.model.layers[1].self_attn.k_proj.weight
     cache = jetrl_compile.unified_state(fp8).cache
-    assert_same_quantization((t["model.layers.1.self_attn.k_proj.weight"], t["model.layers.1.self_attn.k_proj.weight_scale_inv"]), cache.get(w))
+    assert_same_quantization(
+        (t["model.layers.1.self_attn.k_proj.weight"], t["model.layers.1.self_attn.k_proj.weight_scale_inv"]),
+        cache.get(w),
+    )
     assert t["model.norm.weight"].dtype == torch.bfloat16
 
 
@@ -85,8 +88,10 @@ def _corrupt(path, fn):
 @pytest.mark.parametrize(
     "corruption, message",
     [
-        (lambda t: t.pop("model.layers.1.mlp.gate_proj.weight_scale"), "scale model.layers.1.mlp.gate_proj.weight_scale is missing"),
-        (lambda t: t.pop("model.layers.0.self_attn.o_proj.weight"), "tensor model.layers.0.self_attn.o_proj.weight is missing"),
+        (lambda t: t.pop("model.layers.1.mlp.gate_proj.weight_scale"),
+         "scale model.layers.1.mlp.gate_proj.weight_scale is missing"),
+        (lambda t: t.pop("model.layers.0.self_attn.o_proj.weight"),
+         "tensor model.layers.0.self_attn.o_proj.weight is missing"),
         (lambda t: t.update({"model.layers.0.mlp.up_proj.weight": t["model.layers.0.mlp.up_proj.weight"].bfloat16()}),
          "model.layers.0.mlp.up_proj.weight has dtype BF16, expected F8_E4M3"),
         (lambda t: t.update({"model.layers.0.self_attn.k_proj.weight_scale": torch.ones(2, 2)}),

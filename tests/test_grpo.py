@@ -20,7 +20,8 @@ from jetrl_compile.runtime.rollout import vllm_available
 from tests.conftest import ByteTokenizer, tiny_model
 from tests.test_export import VLLM_TINY
 
-REQUIRED = ["step", "reward_mean", "accuracy", "mismatch_kl", "logprob_abs_diff_mean", "rollout_s", "train_s", "sync_s", "tokens_per_s"]
+REQUIRED = ["step", "reward_mean", "accuracy", "mismatch_kl", "logprob_abs_diff_mean", "rollout_s", "train_s", "sync_s",
+            "tokens_per_s"]
 ENGINES = ["hf", pytest.param("vllm", marks=pytest.mark.skipif(not vllm_available(), reason="vLLM is not installed"))]
 
 
@@ -90,12 +91,13 @@ def test_one_step_end_to_end(tmp_path, recipe, engine):
 def test_resume_continues_bit_for_bit(tmp_path, engine):
     straight, _ = _run(_cfg(tmp_path / "a", steps=4, engine=engine))
     _run(_cfg(tmp_path / "b", steps=2, engine=engine))
-    resumed, metrics = _run(_cfg(tmp_path / "b", steps=4, engine=engine, resume=True), seed=123)  # weights come from the checkpoint
+    resumed, metrics = _run(_cfg(tmp_path / "b", steps=4, engine=engine, resume=True),
+                            seed=123)  # weights come from the checkpoint
     assert [m["step"] for m in metrics] == [3, 4]
     for (name, a), (_, b) in zip(straight.state_dict().items(), resumed.state_dict().items()):
         assert torch.equal(a, b), name
     lines = (tmp_path / "b" / "run" / "metrics.jsonl").read_text().splitlines()
-    assert [json.loads(l)["step"] for l in lines] == [1, 2, 3, 4]
+    assert [json.loads(line)["step"] for line in lines] == [1, 2, 3, 4]
 
 
 class PoisonedTask(ArithmeticTask):
@@ -224,7 +226,9 @@ def test_arithmetic_task_is_seeded_and_resumable():
 
 
 def test_help_documents_every_flag():
-    out = subprocess.run([sys.executable, "examples/train_grpo.py", "--help"], capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(
+        [sys.executable, "examples/train_grpo.py", "--help"], capture_output=True, text=True, check=True
+    ).stdout
     for flag in ["--model", "--task", "--data", "--recipe", "--engine", "--steps", "--group-size", "--batch-size",
                  "--max-new-tokens", "--lr", "--seed", "--out", "--resume", "--eval", "--limit"]:
         assert flag in out, flag

@@ -14,7 +14,9 @@ def _sample(recipe: str, mode: str = "eager"):
     model = jetrl_compile.unify(tiny_model("llama", layers=2), recipe, mode=mode, compiler="aot_eager") \
         if mode == "compile" else jetrl_compile.unify(tiny_model("llama", layers=2), recipe, mode=mode)
     groups = HfEngine(model).generate(PROMPTS, n=2, max_new_tokens=10, seed=3)
-    return model, [c.token_ids for g in groups for c in g], torch.tensor([x for g in groups for c in g for x in c.logprobs])
+    return model, [c.token_ids for g in groups for c in g], torch.tensor(
+        [x for g in groups for c in g for x in c.logprobs]
+    )
 
 
 def test_fp8_rollout_only_samples_with_the_fp8_forward_and_trains_in_bf16():

@@ -1,3 +1,5 @@
+import dataclasses
+
 import pytest
 
 import jetrl_compile
@@ -24,7 +26,9 @@ def test_only_the_off_policy_baseline_is_off_policy():
 
 
 def test_unknown_recipe_lists_the_valid_ones():
-    with pytest.raises(ValueError, match="recipe 'fp8' is unknown; choose one of bf16, fp8_fwd_bf16_bwd, jetrl, fp8_rollout_only"):
+    with pytest.raises(
+        ValueError, match="recipe 'fp8' is unknown; choose one of bf16, fp8_fwd_bf16_bwd, jetrl, fp8_rollout_only"
+    ):
         get_recipe("fp8")
 
 
@@ -40,5 +44,5 @@ def test_skip_rules():
 
 
 def test_recipes_are_frozen():
-    with pytest.raises(Exception):
+    with pytest.raises(dataclasses.FrozenInstanceError):
         get_recipe("bf16").fprop = FP8_FPROP

@@ -41,7 +41,7 @@ def test_rewrites_eligible_linear_and_skips_lm_head():
 def forward(self, x, w1, w2, b, emb, w1_fp8, w1_scale):
     linear_with_quantized_weight = jetrl_compile_runtime_fp8_linear_linear_with_quantized_weight(x, w1, b, w1_fp8, w1_scale, fprop = 'fp8', dgrad = 'bf16', wgrad = 'bf16');  x = w1 = b = w1_fp8 = w1_scale = None
     linear_1 = torch._C._nn.linear(linear_with_quantized_weight, w2, None);  linear_with_quantized_weight = w2 = None
-    return linear_1""",
+    return linear_1""",  # noqa: E501
     )
     (site,) = result.rewritten
     assert site.quant_inputs == (5, 6) and site.weight_input == 1

@@ -3,19 +3,17 @@ the trainer's op bit for bit, before and after a live sync; end-to-end mismatch 
 TP sharding of the scales; vLLM's native fp8 format; corrupt exports refused by name."""
 
 import contextlib
-import json
 
 import pytest
 import torch
 
 import jetrl_compile
-from jetrl_compile.export import WEIGHTS_FILE, export_vllm
+from jetrl_compile.export import export_vllm
 from jetrl_compile.rl.mismatch import rollout_mismatch
 from jetrl_compile.runtime.fp8_linear import linear_with_quantized_weight
 from jetrl_compile.runtime.kernels import gemm_operand_dtype
 from jetrl_compile.runtime.rollout import HfEngine, VllmEngine, vllm_available
-from tests.conftest import tiny_model
-from tests.test_export import VLLM_TINY, _corrupt, _unified
+from tests.test_export import _corrupt, _unified
 
 pytestmark = pytest.mark.skipif(not vllm_available(), reason="vLLM is not installed")
 
@@ -180,7 +178,8 @@ def test_block_scales_shard_exactly_under_two_way_tensor_parallelism(monkeypatch
         monkeypatch.setattr(vp, "get_tensor_model_parallel_world_size", lambda: 2)
         sizes = {"q": 192, "k": 96, "v": 96}  # per rank
         rows = sum(sizes.values())
-        w = CheckedWeight(data=torch.zeros(rows, 256, dtype=torch.float8_e4m3fn), input_dim=1, output_dim=0, weight_loader=None, name="qkv.weight")
+        w = CheckedWeight(data=torch.zeros(rows, 256, dtype=torch.float8_e4m3fn), input_dim=1, output_dim=0,
+                          weight_loader=None, name="qkv.weight")
         s = BlockScaleRows(data=torch.zeros(rows, 2), weight_loader=None, name="qkv.weight_scale")
         offset = 0
         for shard, size in sizes.items():
@@ -193,7 +192,8 @@ def test_block_scales_shard_exactly_under_two_way_tensor_parallelism(monkeypatch
         expected = torch.cat([full[n][rank * sizes[n] : (rank + 1) * sizes[n]] for n in "qkv"])
         assert torch.equal(got, expected), f"rank {rank} qkv"
 
-        wd = CheckedWeight(data=torch.zeros(256, 256, dtype=torch.float8_e4m3fn), input_dim=1, output_dim=0, weight_loader=None, name="down.weight")
+        wd = CheckedWeight(data=torch.zeros(256, 256, dtype=torch.float8_e4m3fn), input_dim=1, output_dim=0,
+                           weight_loader=None, name="down.weight")
         sd = BlockScaleRows(data=torch.zeros(256, 2), weight_loader=None, name="down.weight_scale")
         wd.load_row_parallel_weight(quant["down"].data)
         sd.load_row_parallel_weight(quant["down"].scale)
@@ -220,7 +220,8 @@ def test_native_fp8_export_loads_in_vllms_own_fp8_method(tmp_path):
     from vllm import LLM, SamplingParams
 
     # vLLM's block-FP8 method wants fused shards in whole 128-row blocks: 4 heads x 64, 2 kv heads.
-    model = _unified("fp8_rollout_only", hidden_size=256, num_attention_heads=4, num_key_value_heads=2, intermediate_size=384)
+    model = _unified("fp8_rollout_only", hidden_size=256, num_attention_heads=4, num_key_value_heads=2,
+                     intermediate_size=384)
     path = export_vllm(model, tmp_path / "native", format="fp8")
     kwargs = dict(model=str(path), skip_tokenizer_init=True, enforce_eager=True, max_model_len=128, dtype="bfloat16")
     if not torch.cuda.is_available() and not _cpu_has_amx():
@@ -232,7 +233,11 @@ def test_native_fp8_export_loads_in_vllms_own_fp8_method(tmp_path):
         worker = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker
         layer = worker.model_runner.model.model.layers[0].mlp.gate_up_proj
         assert type(layer.quant_method).__name__ == "Fp8LinearMethod"
-        out = llm.generate([{"prompt_token_ids": PROMPTS[0]}], SamplingParams(max_tokens=5, logprobs=0, detokenize=False), use_tqdm=False)
+        out = llm.generate(
+            [{"prompt_token_ids": PROMPTS[0]}],
+            SamplingParams(max_tokens=5, logprobs=0, detokenize=False),
+            use_tqdm=False,
+        )
         assert all(torch.isfinite(torch.tensor(list(d.values())[0].logprob)) for d in out[0].outputs[0].logprobs)
     finally:
         llm.llm_engine.engine_core.shutdown()

@@ -87,7 +87,9 @@ def report_markdown(report: dict) -> str:
     ]
     for row in report["linears"]:
         shape = "x".join(str(d) for d in row["shape"])
-        lines.append(f"| `{row['module']}` | {shape} | {row['fprop']} | {row['dgrad'] or '-'} | {row['wgrad'] or '-'} |")
+        lines.append(
+            f"| `{row['module']}` | {shape} | {row['fprop']} | {row['dgrad'] or '-'} | {row['wgrad'] or '-'} |"
+        )
     if report["skipped"]:
         lines += ["", "Skipped:", ""]
         lines += [f"- `{s['module']}`: {s['reason']}" for s in report["skipped"]]

@@ -136,7 +136,8 @@ def graph_has_fp8(gm: fx.GraphModule) -> bool:
     return any(_val_dtype(n) in (torch.float8_e4m3fn, torch.float8_e5m2) for n in gm.graph.nodes)
 
 
-def classify_backward(records: list[GemmRecord], weight_shapes: dict[str, tuple[int, int]]) -> dict[str, dict[str, str]]:
+def classify_backward(records: list[GemmRecord],
+                      weight_shapes: dict[str, tuple[int, int]]) -> dict[str, dict[str, str]]:
     """``{module: {"dgrad": precision, "wgrad": precision}}`` from a backward graph's GEMMs.
 
     ``dW`` has the weight's shape ``(N, K)``; ``dx`` has ``(M, K)``. When ``M == N`` the shapes

@@ -89,7 +89,8 @@ def _transposed_placeholder(node) -> fx.Node | None:
     src = None
     if node.op == "call_method" and node.target == "t":
         src = node.args[0]
-    elif node.op == "call_method" and node.target in ("transpose", "permute") and tuple(node.args[1:]) in ((0, 1), (1, 0), (-1, -2), (-2, -1)):
+    elif (node.op == "call_method" and node.target in ("transpose", "permute")
+          and tuple(node.args[1:]) in ((0, 1), (1, 0), (-1, -2), (-2, -1))):
         src = node.args[0]
     elif node.op == "call_function" and node.target in (torch.t, torch.ops.aten.t.default):
         src = node.args[0]
@@ -201,7 +202,9 @@ def rewrite_linears(
     for w in placeholders:
         info = params.get(w.name)
         if info is not None and info.is_linear_weight and w not in matched_weights and _uses_as_gemm_operand(w):
-            result.sites.append(LinearSite(info.module, tuple(info.shape), False, "GEMM form not recognised by the pass", index_of[w]))
+            result.sites.append(
+                LinearSite(info.module, tuple(info.shape), False, "GEMM form not recognised by the pass", index_of[w])
+            )
 
     graph.lint()
     gm.recompile()

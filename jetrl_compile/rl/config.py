@@ -64,8 +64,10 @@ HELP = {
     "temperature": "sampling temperature of the rollout",
     "clip_eps": "PPO clip range of the importance ratio",
     "beta": "weight of the k3 KL penalty to the initial policy (0: off, no reference model kept)",
-    "micro_batch": "sequences per trainer forward/backward, rounded to whole groups (gradients accumulate over the batch)",
-    "trainer_mode": "eager (each linear calls the op; no compile wait, and closest to vLLM's non-GEMM numerics) or compile (torch.compile with our pass: minutes of compile first)",
+    "micro_batch": "sequences per trainer forward/backward, rounded to whole groups "
+                   "(gradients accumulate over the batch)",
+    "trainer_mode": "eager (each linear calls the op; no compile wait, and closest to vLLM's non-GEMM numerics) "
+                    "or compile (torch.compile with our pass: minutes of compile first)",
     "out": "output folder: metrics.jsonl, metrics.png, checkpoints/",
     "save_every": "write a checkpoint every N steps (and at the end, on Ctrl-C, on engine failure)",
     "plot_every": "refresh metrics.png every N steps",

@@ -77,7 +77,8 @@ def rollout(engine, prompts, cfg: GrpoConfig, step: int, counters: dict) -> list
     raise AssertionError("unreachable")
 
 
-def score(task: Task, tokenizer, problems: list[Problem], groups: list[list[Completion]]) -> tuple[torch.Tensor, torch.Tensor]:
+def score(task: Task, tokenizer, problems: list[Problem],
+          groups: list[list[Completion]]) -> tuple[torch.Tensor, torch.Tensor]:
     """(rewards, correct), each of shape (prompts, G)."""
     rewards, correct = [], []
     for problem, group in zip(problems, groups):
@@ -120,10 +121,12 @@ def policy_update(model, optimizer, prompts, groups, advantages: torch.Tensor, c
     if applied:
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    return UpdateStats(applied, loss_sum / total_tokens, grad_norm, clipped / total_tokens, mismatch_metrics(old_all, new_all))
+    return UpdateStats(applied, loss_sum / total_tokens, grad_norm, clipped / total_tokens,
+                       mismatch_metrics(old_all, new_all))
 
 
-def train(cfg: GrpoConfig, *, model=None, tokenizer=None, task: Task | None = None, progress: bool = True) -> list[dict]:
+def train(cfg: GrpoConfig, *, model=None, tokenizer=None, task: Task | None = None,
+          progress: bool = True) -> list[dict]:
     """Run GRPO as ``cfg`` says; returns the metrics of the steps run in this call."""
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -154,7 +157,9 @@ def train(cfg: GrpoConfig, *, model=None, tokenizer=None, task: Task | None = No
         _truncate_metrics(metrics_path, start)
         log.info("resumed %s at step %d", path, start)
     elif latest_checkpoint(out) is not None:
-        raise FileExistsError(f"{out} already holds a run (checkpoints/); pass --resume to continue it or choose another --out")
+        raise FileExistsError(
+            f"{out} already holds a run (checkpoints/); pass --resume to continue it or choose another --out"
+        )
     else:
         metrics_path.write_text("")
     (out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))

@@ -42,12 +42,14 @@ def mismatch_metrics(rollout_logprobs, trainer_logprobs) -> dict[str, float]:
 def _flat(x) -> torch.Tensor:
     if isinstance(x, torch.Tensor):
         return x.detach().double().flatten().cpu()
-    items = [_flat(v) if isinstance(v, (list, tuple, torch.Tensor)) else torch.tensor([float(v)], dtype=torch.float64) for v in x]
+    items = [_flat(v) if isinstance(v, (list, tuple, torch.Tensor)) else torch.tensor([float(v)], dtype=torch.float64)
+             for v in x]
     return torch.cat(items) if items else torch.zeros(0, dtype=torch.float64)
 
 
 def rollout_mismatch(model, engine, prompts: list[list[int]], *, n: int = 1, max_new_tokens: int = 64,
-                     temperature: float = 1.0, seed: int = 0, pad_token_id: int = 0, batch_size: int = 16) -> dict[str, float]:
+                     temperature: float = 1.0, seed: int = 0, pad_token_id: int = 0,
+                     batch_size: int = 16) -> dict[str, float]:
     """Sample with ``engine``, recompute the sampled tokens' logprobs with ``model`` (no grad, in
     batches of about ``batch_size`` sequences, whole groups) and return ``mismatch_metrics`` of the two."""
     from .logprobs import group_logprobs

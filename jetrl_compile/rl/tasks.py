@@ -198,7 +198,9 @@ def _read_gsm8k(path: Path) -> list[Problem]:
             row = json.loads(line)
             problems.append(Problem(row["question"], gsm8k_reference(row["answer"])))
         except (json.JSONDecodeError, KeyError, ValueError) as e:
-            raise ValueError(f"{path}:{i}: not a GSM8K line ({e}); each line needs 'question' and 'answer' with '#### N'") from e
+            raise ValueError(
+                f"{path}:{i}: not a GSM8K line ({e}); each line needs 'question' and 'answer' with '#### N'"
+            ) from e
     if not problems:
         raise ValueError(f"{path} holds no problems")
     return problems
@@ -209,6 +211,8 @@ def make_task(name: str, *, seed: int = 0, data: str | None = None, difficulty: 
         return ArithmeticTask(seed=seed, difficulty=difficulty)
     if name == "gsm8k":
         if data is None:
-            raise ValueError("--task gsm8k needs --data PATH (a GSM8K-format jsonl, e.g. ../shared/data/gsm8k/train.jsonl)")
+            raise ValueError(
+                "--task gsm8k needs --data PATH (a GSM8K-format jsonl, e.g. ../shared/data/gsm8k/train.jsonl)"
+            )
         return Gsm8kTask(data, seed=seed)
     raise ValueError(f"task {name!r} is unknown; choose arithmetic or gsm8k")

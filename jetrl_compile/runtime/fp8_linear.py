@@ -108,7 +108,9 @@ def fp8_linear(
     """
     r = get_recipe(recipe)
     if x.shape[-1] != weight.shape[-1]:
-        raise ValueError(f"fp8_linear: x has {x.shape[-1]} features but weight {tuple(weight.shape)} expects {weight.shape[-1]}")
+        raise ValueError(
+            f"fp8_linear: x has {x.shape[-1]} features but weight {tuple(weight.shape)} expects {weight.shape[-1]}"
+        )
     needs_q = r.fprop.is_fp8 or r.dgrad.is_fp8
     if needs_q and weight_quantized is None:
         weight_quantized = quantize_blockwise(weight.detach())

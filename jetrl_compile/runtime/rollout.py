@@ -112,11 +112,15 @@ class VllmEngine(RolloutEngine):
         self.workdir = Path(workdir) if workdir is not None else Path(tempfile.mkdtemp(prefix="jetrl-rollout-"))
         os.environ.setdefault("VLLM_CACHE_ROOT", str(self.workdir / "vllm-cache"))
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(int(kv_cache_gib)))
-        self.eos_token_id = eos_token_id if eos_token_id is not None else _first(getattr(model.config, "eos_token_id", None))
+        self.eos_token_id = (
+            eos_token_id if eos_token_id is not None else _first(getattr(model.config, "eos_token_id", None))
+        )
         if max_model_len is None:  # the model's context, capped: vLLM reserves KV cache for it
             max_model_len = min(int(getattr(model.config, "max_position_embeddings", 2048)), 2048)
         self.dtype = engine_dtype(model, dtype)
-        self.export_dir = export_vllm(model, self.workdir / "rollout-weights", tokenizer=tokenizer, recipe=recipe, dtype=self.dtype)
+        self.export_dir = export_vllm(
+            model, self.workdir / "rollout-weights", tokenizer=tokenizer, recipe=recipe, dtype=self.dtype
+        )
         validate_export(self.export_dir)
         self._signature = _tensor_signature(model)
         self.max_num_batched_tokens = max(max_num_batched_tokens, max_model_len)
@@ -215,7 +219,9 @@ class HfEngine(RolloutEngine):
 
     name = "hf"
 
-    def __init__(self, model: nn.Module, *, tokenizer=None, eos_token_id: int | None = None, pad_token_id: int | None = None):
+    def __init__(
+        self, model: nn.Module, *, tokenizer=None, eos_token_id: int | None = None, pad_token_id: int | None = None
+    ):
         self.model = model
         self.recipe, _ = rollout_recipe_and_cache(model)
         config = model.config

@@ -136,14 +136,15 @@ class BlockScaleRows(BasevLLMParameter):
         cols = self.data.shape[1]
         if block_scales.dim() != 2 or block_scales.shape[0] * GROUP < start + size:
             raise ValueError(
-                f"{self.checkpoint_name}: checkpoint scale of shape {tuple(block_scales.shape)} does not cover weight rows "
-                f"{start}..{start + size} in 128-row blocks; {_FIX}"
+                f"{self.checkpoint_name}: checkpoint scale of shape {tuple(block_scales.shape)} does not cover "
+                f"weight rows {start}..{start + size} in 128-row blocks; {_FIX}"
             )
         if split_columns and self.tp_size > 1:
             block_scales = block_scales.narrow(1, self.tp_rank * cols, cols)
         if block_scales.shape[1] != cols:
             raise ValueError(
-                f"{self.checkpoint_name}: checkpoint scale has {block_scales.shape[1]} block columns, the layer needs {cols}; {_FIX}"
+                f"{self.checkpoint_name}: checkpoint scale has {block_scales.shape[1]} block columns, "
+                f"the layer needs {cols}; {_FIX}"
             )
         if not is_power_of_two(block_scales).all():
             raise ValueError(f"{self.checkpoint_name}: scales must be positive powers of two; {_FIX}")
@@ -167,7 +168,10 @@ class CheckedWeight(ModelWeightParameter):
         try:
             return method(self, loaded_weight, **kwargs)
         except (AssertionError, RuntimeError, IndexError) as e:
-            raise ValueError(f"{self.checkpoint_name}: checkpoint tensor of shape {tuple(loaded_weight.shape)} does not fit the layer's {tuple(self.data.shape)}; {_FIX}") from e
+            raise ValueError(
+                f"{self.checkpoint_name}: checkpoint tensor of shape {tuple(loaded_weight.shape)} does not fit "
+                f"the layer's {tuple(self.data.shape)}; {_FIX}"
+            ) from e
 
     def load_column_parallel_weight(self, loaded_weight):
         return self._checked(ModelWeightParameter.load_column_parallel_weight, loaded_weight)
@@ -223,23 +227,30 @@ class JetrlLinearMethod(LinearMethodBase):
         # NaN until loaded: a tensor the checkpoint lacks is caught in process_weights_after_loading.
         weight = _nan((n, k), dtype)
         layer.register_parameter(
-            "weight", CheckedWeight(data=weight, input_dim=1, output_dim=0, weight_loader=loader, name=f"{self.prefix}.weight")
+            "weight",
+            CheckedWeight(data=weight, input_dim=1, output_dim=0, weight_loader=loader, name=f"{self.prefix}.weight"),
         )
         if self.fp8:
             scale = _nan((n, -(-k // GROUP)), torch.float32)
-            layer.register_parameter("weight_scale", BlockScaleRows(data=scale, weight_loader=loader, name=f"{self.prefix}.weight_scale"))
+            layer.register_parameter(
+                "weight_scale", BlockScaleRows(data=scale, weight_loader=loader, name=f"{self.prefix}.weight_scale")
+            )
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
         for name in ("weight", "weight_scale") if self.fp8 else ("weight",):
             if torch.isnan(getattr(layer, name).float()).any():
-                raise ValueError(f"{self.prefix}.{name} was not (fully) loaded: the checkpoint lacks it or one of its shards; {_FIX}")
+                raise ValueError(
+                    f"{self.prefix}.{name} was not (fully) loaded: the checkpoint lacks it or one of its shards; {_FIX}"
+                )
         if self.fp8:
             deq = dequantize(layer.weight.data, layer.weight_scale.data, gemm_operand_dtype(layer.weight.device))
             layer.register_parameter("weight_dequantized", Parameter(deq, requires_grad=False))
 
     def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if not self.fp8:
-            return linear_with_quantized_weight(x, layer.weight, bias, None, None, fprop="bf16", dgrad="bf16", wgrad="bf16")
+            return linear_with_quantized_weight(
+                x, layer.weight, bias, None, None, fprop="bf16", dgrad="bf16", wgrad="bf16"
+            )
         deq = layer.weight_dequantized
         return linear_with_quantized_weight(
             x, deq, bias, layer.weight, layer.weight_scale, deq, fprop="fp8", dgrad="bf16", wgrad="bf16"
