@@ -84,8 +84,9 @@ class Recipe:
         return self.fprop == self.rollout
 
     @property
-    def quantizes_training(self) -> bool:
-        return any(g.is_fp8 for g in (self.fprop, self.dgrad, self.wgrad))
+    def needs_quantized_weight(self) -> bool:
+        """The training GEMMs read the weight's FP8 blocks (fprop or dgrad is FP8)."""
+        return self.fprop.is_fp8 or self.dgrad.is_fp8
 
     def with_options(self, *, include_lm_head: bool | None = None, skip=None) -> Recipe:
         """A copy with module-selection options changed; the GEMM precisions stay."""
@@ -109,9 +110,6 @@ class Recipe:
             if fnmatch.fnmatchcase(module_name, pattern) or fnmatch.fnmatchcase(module_name, "*." + pattern):
                 return reason
         return None
-
-    def table_row(self) -> str:
-        return f"| `{self.name}` | {self.fprop} | {self.dgrad} | {self.wgrad} | {self.rollout} |"
 
 
 RECIPES: dict[str, Recipe] = {

@@ -360,7 +360,7 @@ def _detached_copy(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
 
 def _patch_linears_eager(model: nn.Module, recipe: Recipe, cache: WeightCache) -> list[nn.Module]:
     """Each eligible nn.Linear calls the recipe op directly, no compile; returns the patched modules."""
-    needs_q = recipe.fprop.is_fp8 or recipe.dgrad.is_fp8
+    needs_q = recipe.needs_quantized_weight
     patched = []
     for name, module in model.named_modules():
         if not isinstance(module, nn.Linear) or recipe.skip_reason(name) is not None:

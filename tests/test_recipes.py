@@ -25,6 +25,11 @@ def test_only_the_off_policy_baseline_is_off_policy():
     assert jetrl_compile.get_recipe().name == "fp8_fwd_bf16_bwd"
 
 
+def test_which_recipes_read_the_weights_fp8_blocks_in_training():
+    needs = {n for n, r in jetrl_compile.RECIPES.items() if r.needs_quantized_weight}
+    assert needs == {"fp8_fwd_bf16_bwd", "jetrl"}  # fprop or dgrad FP8; fp8_rollout_only trains in BF16
+
+
 def test_unknown_recipe_lists_the_valid_ones():
     with pytest.raises(
         ValueError, match="recipe 'fp8' is unknown; choose one of bf16, fp8_fwd_bf16_bwd, jetrl, fp8_rollout_only"

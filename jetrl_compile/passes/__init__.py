@@ -1,5 +1,5 @@
 """FX passes over captured graphs (graph in, graph out), the precision report and the dump."""
 
-from .rewrite_linears import Fp8LinearPass, LinearSite, ParamInfo, RewriteResult, rewrite_linears
+from .rewrite_linears import LinearSite, ParamInfo, RewriteResult, rewrite_linears
 
-__all__ = ["Fp8LinearPass", "LinearSite", "ParamInfo", "RewriteResult", "rewrite_linears"]
+__all__ = ["LinearSite", "ParamInfo", "RewriteResult", "rewrite_linears"]

@@ -17,15 +17,11 @@ used by a GEMM the pass cannot prove eligible is left untouched and reported wit
 
 from __future__ import annotations
 
-import hashlib
-import importlib
 import operator
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 import torch.fx as fx
-from torch._inductor.custom_graph_pass import CustomGraphModulePass
 
 from ..recipes import Recipe
 from ..runtime.fp8_linear import linear_with_quantized_weight
@@ -33,7 +29,6 @@ from ..runtime.fp8_linear import linear_with_quantized_weight
 LINEAR_TARGETS = (torch._C._nn.linear, torch.nn.functional.linear)
 MATMUL_TARGETS = (operator.matmul, torch.matmul, torch.mm, torch.ops.aten.mm.default)
 ADDMM_TARGETS = (torch.addmm, torch.ops.aten.addmm.default)
-TRANSPOSE_METHODS = ("t",)
 GEMM_TARGETS = LINEAR_TARGETS + MATMUL_TARGETS + ADDMM_TARGETS
 
 
@@ -143,7 +138,7 @@ def rewrite_linears(
     graph = gm.graph
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     index_of = {n: i for i, n in enumerate(placeholders)}
-    needs_quantized_weight = recipe.fprop.is_fp8 or recipe.dgrad.is_fp8
+    needs_quantized_weight = recipe.needs_quantized_weight
     result = RewriteResult()
     matched_weights: set[fx.Node] = set()
     last_placeholder = placeholders[-1] if placeholders else None
@@ -209,29 +204,3 @@ def rewrite_linears(
     graph.lint()
     gm.recompile()
     return result
-
-
-class Fp8LinearPass(CustomGraphModulePass):
-    """``rewrite_linears`` as an Inductor custom pass object, with a stable ``uuid()``.
-
-    The uuid hashes this file, the op's file and the recipe, so Inductor's FX graph cache keys
-    change exactly when the rewrite could produce a different graph.
-    """
-
-    def __init__(self, recipe: Recipe, params: dict[str, ParamInfo]):
-        self.recipe, self.params = recipe, params
-        self.result: RewriteResult | None = None
-
-    def __call__(self, gm: fx.GraphModule) -> None:
-        self.result = rewrite_linears(gm, self.params, self.recipe)
-
-    def uuid(self) -> str:
-        return pass_uuid(self.recipe)
-
-
-def pass_uuid(recipe: Recipe) -> str:
-    h = hashlib.sha256()
-    for name in ("passes.rewrite_linears", "runtime.fp8_linear", "runtime.kernels", "runtime.quantize"):
-        h.update(Path(importlib.import_module(f"jetrl_compile.{name}").__file__).read_bytes())
-    h.update(repr(recipe).encode())
-    return h.hexdigest()

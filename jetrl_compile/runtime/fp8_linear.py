@@ -111,7 +111,7 @@ def fp8_linear(
         raise ValueError(
             f"fp8_linear: x has {x.shape[-1]} features but weight {tuple(weight.shape)} expects {weight.shape[-1]}"
         )
-    needs_q = r.fprop.is_fp8 or r.dgrad.is_fp8
+    needs_q = r.needs_quantized_weight
     if needs_q and weight_quantized is None:
         weight_quantized = quantize_blockwise(weight.detach())
     q, s = weight_quantized if needs_q else (None, None)

@@ -242,8 +242,3 @@ def block_scale_shape(shape: torch.Size | tuple[int, int]) -> tuple[int, int]:
     """Shape of the 128 x 128 block scales of an (N, K) weight."""
     n, k = shape
     return (-(-n // GROUP), -(-k // GROUP))
-
-
-def group_scale_shape(shape: torch.Size | tuple[int, ...]) -> tuple[int, ...]:
-    """Shape of the 1 x 128 group scales of an activation of ``shape``."""
-    return (*shape[:-1], -(-shape[-1] // GROUP))
