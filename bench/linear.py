@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from common import interleaved_medians, table, write_result  # noqa: E402
 
 from jetrl_compile.runtime import dequantize, linear_with_quantized_weight, quantize_blockwise  # noqa: E402
-from jetrl_compile.unify import FP8_BACKWARD_INDUCTOR_OPTIONS  # noqa: E402
+from jetrl_compile.runtime.fp8_linear import FP8_BACKWARD_INDUCTOR_OPTIONS  # noqa: E402
 
 SMOLLM2 = [(576, 1536), (1536, 576), (576, 576), (576, 192)]  # (K in, N out)
 LLAMA_8B = [(4096, 14336), (14336, 4096)]

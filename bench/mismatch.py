@@ -45,7 +45,7 @@ def run_flow(spec: str, args) -> dict:
     import jetrl_compile
     from jetrl_compile.models import load_model
     from jetrl_compile.rl.mismatch import rollout_mismatch
-    from jetrl_compile.runtime.rollout import VllmEngine
+    from jetrl_compile.rollout.engines import VllmEngine
 
     recipe, trainer_dtype, engine_dtype, mode = spec.split(":")
     model, tok = load_model(dtype=getattr(torch, trainer_dtype))

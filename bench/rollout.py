@@ -35,9 +35,9 @@ def build(name: str, workdir: Path):
     import torch
 
     import jetrl_compile
-    from jetrl_compile.export import export_vllm
     from jetrl_compile.models import load_model
-    from jetrl_compile.runtime.rollout import HfEngine, VllmEngine
+    from jetrl_compile.rollout.engines import HfEngine, VllmEngine
+    from jetrl_compile.rollout.export import export_vllm
 
     dtype = torch.float32 if name.endswith("fp32") else torch.bfloat16
     model, tok = load_model(dtype=dtype)

@@ -7,8 +7,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import jetrl_compile
-from jetrl_compile.export import WEIGHTS_FILE, export_vllm, rollout_tensors, validate_export
 from jetrl_compile.rl.mismatch import mismatch_metrics
+from jetrl_compile.rollout.export import WEIGHTS_FILE, export_vllm, rollout_tensors, validate_export
 from tests.conftest import assert_same_quantization, tiny_model
 
 # vLLM's CPU attention wants head sizes it has kernels for: 3 heads x 64 (k/v: 64 rows, not a

@@ -6,8 +6,8 @@ import torch
 import torch.nn.functional as F
 
 from jetrl_compile.runtime import dequantize, fp8_linear, quantize_blockwise, quantize_groupwise
+from jetrl_compile.runtime.fp8_linear import FP8_BACKWARD_INDUCTOR_OPTIONS
 from jetrl_compile.runtime.kernels import bf16_gemm, kernel_name
-from jetrl_compile.unify import FP8_BACKWARD_INDUCTOR_OPTIONS
 from tests.conftest import assert_within_gemm_definition
 
 BF16 = torch.bfloat16

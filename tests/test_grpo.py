@@ -16,7 +16,7 @@ from jetrl_compile.rl.config import GrpoConfig
 from jetrl_compile.rl.grpo import clipped_policy_loss, group_advantages
 from jetrl_compile.rl.loop import train
 from jetrl_compile.rl.tasks import ArithmeticTask, Gsm8kTask, Problem, extract_answer, gsm8k_reference, reward
-from jetrl_compile.runtime.rollout import vllm_available
+from jetrl_compile.rollout.engines import vllm_available
 from tests.conftest import ByteTokenizer, tiny_model
 from tests.test_export import VLLM_TINY
 

@@ -4,7 +4,7 @@ the FP8 op for the off-policy baseline."""
 import torch
 
 import jetrl_compile
-from jetrl_compile.runtime.rollout import HfEngine
+from jetrl_compile.rollout.engines import HfEngine
 from tests.conftest import tiny_model
 
 PROMPTS = [[1 + i, 7 + 2 * i, 30 + i, 99 - i] for i in range(4)]

@@ -3,22 +3,27 @@ the trainer's op bit for bit, before and after a live sync; end-to-end mismatch 
 TP sharding of the scales; vLLM's native fp8 format; corrupt exports refused by name."""
 
 import contextlib
+import os
 
 import pytest
 import torch
 
 import jetrl_compile
-from jetrl_compile.export import export_vllm
 from jetrl_compile.rl.mismatch import rollout_mismatch
+from jetrl_compile.rollout.engines import HfEngine, VllmEngine, vllm_available
+from jetrl_compile.rollout.export import export_vllm
 from jetrl_compile.runtime.fp8_linear import linear_with_quantized_weight
 from jetrl_compile.runtime.kernels import gemm_operand_dtype
-from jetrl_compile.runtime.rollout import HfEngine, VllmEngine, vllm_available
 from tests.test_export import _corrupt, _unified
 
 pytestmark = pytest.mark.skipif(not vllm_available(), reason="vLLM is not installed")
 
 FUSED = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
 PROMPTS = [[1 + i, 7 + 2 * i, 30 + i, 99 - i] for i in range(16)]
+
+
+ENGINE_SETTINGS = ("VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_CACHE_ROOT", "VLLM_CPU_KVCACHE_SPACE")
+ENVIRONMENT_BEFORE = {k: os.environ.get(k) for k in ENGINE_SETTINGS}
 
 
 @pytest.fixture(scope="module")
@@ -140,6 +145,12 @@ def test_unified_flow_is_closer_to_its_trainer_than_fp8_rollout_only(flow, tmp_p
     assert off["logprob_abs_diff_mean"] > 1e-3
 
 
+def test_an_engine_leaves_the_environment_as_it_found_it(flow):
+    """Its in-process mode, cache folder and KV size were set for its start only: a second engine
+    in this process starts from the caller's settings, not the first engine's."""
+    assert {k: os.environ.get(k) for k in ENGINE_SETTINGS} == ENVIRONMENT_BEFORE
+
+
 def test_sync_refuses_another_architecture(flow):
     _, engine = flow
     other = _unified(num_hidden_layers=3)
@@ -166,8 +177,8 @@ def test_block_scales_shard_exactly_under_two_way_tensor_parallelism(monkeypatch
     fused q/k/v with shards that are not multiples of 128 and for a row-parallel split of K."""
     import vllm.model_executor.parameter as vp
 
+    from jetrl_compile.rollout.vllm_plugin import BlockScaleRows, CheckedWeight
     from jetrl_compile.runtime.quantize import dequantize, quantize_blockwise
-    from jetrl_compile.runtime.vllm_plugin import BlockScaleRows, CheckedWeight
 
     torch.manual_seed(0)
     q_w, k_w, v_w = torch.randn(384, 256), torch.randn(192, 256), torch.randn(192, 256)  # 2 kv heads of 96
@@ -213,11 +224,22 @@ def _cpu_has_amx() -> bool:
         return False
 
 
+def _plain_llm(**kwargs):
+    """A plain vLLM ``LLM`` (no VllmEngine), in-process with a small KV cache like the engine's."""
+    from vllm import LLM
+
+    from jetrl_compile.rollout import _vllm_compat
+
+    settings = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1"}
+    with _vllm_compat.environment(settings):
+        return LLM(**kwargs)
+
+
 def test_native_fp8_export_loads_in_vllms_own_fp8_method(tmp_path):
     """vLLM parses the native export into its block-FP8 ``Fp8LinearMethod``. Its CPU kernels need
     AMX tiles (Sapphire Rapids+); without them vLLM stops at kernel selection, after choosing
     the method, and says so: that exact refusal is what this test expects on such CPUs."""
-    from vllm import LLM, SamplingParams
+    from vllm import SamplingParams
 
     # vLLM's block-FP8 method wants fused shards in whole 128-row blocks: 4 heads x 64, 2 kv heads.
     model = _unified("fp8_rollout_only", hidden_size=256, num_attention_heads=4, num_key_value_heads=2,
@@ -226,9 +248,9 @@ def test_native_fp8_export_loads_in_vllms_own_fp8_method(tmp_path):
     kwargs = dict(model=str(path), skip_tokenizer_init=True, enforce_eager=True, max_model_len=128, dtype="bfloat16")
     if not torch.cuda.is_available() and not _cpu_has_amx():
         with pytest.raises(ValueError, match="CPUFp8BlockScaledMMKernel requires AMX tile support"):
-            LLM(**kwargs)
+            _plain_llm(**kwargs)
         return
-    llm = LLM(**kwargs)
+    llm = _plain_llm(**kwargs)
     try:
         worker = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker
         layer = worker.model_runner.model.model.layers[0].mlp.gate_up_proj
@@ -255,12 +277,11 @@ def test_native_fp8_export_loads_in_vllms_own_fp8_method(tmp_path):
     ],
 )
 def test_plain_vllm_refuses_a_corrupt_export_naming_the_tensor(tmp_path, corruption, message):
-    from vllm import LLM
 
     path = export_vllm(_unified(), tmp_path)
     _corrupt(path, corruption)
     with pytest.raises(Exception, match=message):
-        LLM(model=str(path), skip_tokenizer_init=True, enforce_eager=True, max_model_len=128, dtype="float32")
+        _plain_llm(model=str(path), skip_tokenizer_init=True, enforce_eager=True, max_model_len=128, dtype="float32")
 
 
 @pytest.mark.parametrize("recipe", ["fp8_fwd_bf16_bwd", "bf16"])

@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 from ..models import load_model
-from ..runtime.rollout import Completion, make_engine
+from ..rollout.engines import Completion, make_engine
 from ..unify import unify
 from .checkpoint import latest_checkpoint, load_checkpoint, restore_rng, save_checkpoint
 from .config import GrpoConfig

@@ -1,4 +1,5 @@
-"""Runtime pieces: the FP8 quantizer, the recipe-driven linear op and its kernels."""
+"""Numerics only: the FP8 format and quantizer, GEMM kernels, the recipe-driven linear op and the
+weight cache. Imports torch, torchao and ``recipes``, nothing else of ours."""
 
 from .fp8_linear import fp8_linear, linear_with_quantized_weight
 from .quantize import FP8_DTYPE, FP8_MAX, Quantized, dequantize, quantize_blockwise, quantize_groupwise

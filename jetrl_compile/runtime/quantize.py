@@ -34,7 +34,6 @@ import os
 from typing import NamedTuple
 
 import torch
-from torchao.float8.float8_utils import amax_to_scale, to_fp8_saturated
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
@@ -112,6 +111,8 @@ def _power_of_two_scale(amax: torch.Tensor) -> torch.Tensor:
     land torchao's scale one power too small, and the group would saturate. Smaller amax (and 0),
     which torchao clamps, take our own rule (docs/design.md, section 2.1).
     """
+    from torchao.float8.float8_utils import amax_to_scale  # on first use: importing torchao loads torch._dynamo
+
     amax = amax.float()
     torchao_scale = _one_power_off_fixed(1.0 / amax_to_scale(amax, FP8_DTYPE, round_scales_to_power_of_2=True), amax)
     return torch.where(amax >= TORCHAO_MIN_AMAX, torchao_scale, _exact_power_of_two_scale(amax))
@@ -139,6 +140,8 @@ def _one_power_off_fixed(s: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
 def cast_saturated(x: torch.Tensor) -> torch.Tensor:
     """Round to e4m3 with saturation at +-448 (NaN stays NaN): torchao's ``to_fp8_saturated``,
     whose clamp is explicit so the result does not depend on each backend's out-of-range cast."""
+    from torchao.float8.float8_utils import to_fp8_saturated
+
     return to_fp8_saturated(x, FP8_DTYPE)
 
 

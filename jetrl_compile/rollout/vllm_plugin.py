@@ -23,28 +23,27 @@ from typing import Any
 
 import torch
 from torch.nn import Parameter
-from vllm.model_executor.layers.linear import (
-    LinearBase,
-    LinearMethodBase,
-    UnquantizedLinearMethod,
-    register_weight_loader_v2_supported_method,
-)
-from vllm.model_executor.layers.quantization import register_quantization_config
-from vllm.model_executor.layers.quantization.base_config import QuantizationConfig
-from vllm.model_executor.parameter import BasevLLMParameter, ModelWeightParameter
 
-from ..export import METHOD, is_power_of_two
-from .fp8_linear import linear_with_quantized_weight
-from .kernels import gemm_operand_dtype
-from .quantize import FP8_DTYPE, GROUP, dequantize
+from ..runtime.fp8_linear import linear_with_quantized_weight
+from ..runtime.kernels import gemm_operand_dtype
+from ..runtime.quantize import FP8_DTYPE, GROUP, dequantize
+from ._vllm_compat import plugin_api
+from .export import METHOD, is_power_of_two
+
+LinearBase = plugin_api("LinearBase")
+LinearMethodBase = plugin_api("LinearMethodBase")
+UnquantizedLinearMethod = plugin_api("UnquantizedLinearMethod")
+QuantizationConfig = plugin_api("QuantizationConfig")
+BasevLLMParameter = plugin_api("BasevLLMParameter")
+ModelWeightParameter = plugin_api("ModelWeightParameter")
 
 _FIX = "re-export the checkpoint with jetrl_compile.export_vllm(model, path)"
 
 
 def register() -> None:
     """The ``vllm.general_plugins`` entry point: make ``quant_method: jetrl`` known to vLLM."""
-    register_quantization_config(METHOD)(JetrlConfig)
-    register_weight_loader_v2_supported_method(JetrlLinearMethod)
+    plugin_api("register_quantization_config")(METHOD)(JetrlConfig)
+    plugin_api("register_weight_loader_v2_supported_method")(JetrlLinearMethod)
 
 
 class JetrlConfig(QuantizationConfig):

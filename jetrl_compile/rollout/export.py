@@ -8,7 +8,7 @@ the bytes the training forward used at this step.
 
 Two formats:
 
-- ``"jetrl"`` (default): our vLLM quantization method (``runtime/vllm_plugin.py``). Quantized
+- ``"jetrl"`` (default): our vLLM quantization method (``rollout/vllm_plugin.py``). Quantized
   linears hold ``weight`` (float8_e4m3fn) and ``weight_scale`` (float32, one per 128 x 128 block);
   vLLM then runs the trainer's GEMM definition: activations quantized in 1 x 128 groups, the
   same BF16 GEMM. Everything else (embeddings, norms, linears the recipe skips) keeps the
@@ -27,10 +27,11 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
-from . import __version__
-from .recipes import DEFAULT_RECIPE, Recipe, get_recipe
-from .runtime.quantize import block_scale_shape
-from .runtime.weight_cache import WeightCache
+from .. import __version__
+from ..recipes import DEFAULT_RECIPE, Recipe, get_recipe
+from ..runtime.quantize import block_scale_shape
+from ..runtime.weight_cache import WeightCache
+from ..state import STATE_ATTR
 
 METHOD = "jetrl"
 FORMATS = ("jetrl", "fp8")
@@ -39,9 +40,7 @@ WEIGHTS_FILE = "model.safetensors"
 
 def rollout_recipe_and_cache(model: nn.Module, recipe: str | Recipe | None = None) -> tuple[Recipe, WeightCache]:
     """The unified model's recipe and weight cache; for a plain model, ``recipe`` and a fresh cache."""
-    from .unify import _STATE_ATTR
-
-    state = getattr(model, _STATE_ATTR, None)
+    state = getattr(model, STATE_ATTR, None)
     if state is not None:
         if recipe is not None and get_recipe(recipe).name != state.recipe.name:
             raise ValueError(

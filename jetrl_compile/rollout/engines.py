@@ -14,7 +14,6 @@ processors, which is what the trainer recomputes.
 from __future__ import annotations
 
 import contextlib
-import os
 import tempfile
 import time
 from dataclasses import dataclass
@@ -23,8 +22,11 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
-from ..export import engine_dtype, export_vllm, rollout_recipe_and_cache, rollout_tensors, validate_export
 from ..recipes import Recipe
+from ..state import is_unified
+from ..unify import rollout_forward
+from . import _vllm_compat
+from .export import engine_dtype, export_vllm, rollout_recipe_and_cache, rollout_tensors, validate_export
 
 
 @dataclass
@@ -101,17 +103,9 @@ class VllmEngine(RolloutEngine):
         eos_token_id: int | None = None,
         pad_token_id: int | None = None,
     ):
-        if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "0") != "0":
-            raise RuntimeError(
-                "VllmEngine runs vLLM in this process (to push weights in place); unset "
-                "VLLM_ENABLE_V1_MULTIPROCESSING or set it to 0"
-            )
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         self.recipe, _ = rollout_recipe_and_cache(model, recipe)
         self._recipe_arg = recipe
         self.workdir = Path(workdir) if workdir is not None else Path(tempfile.mkdtemp(prefix="jetrl-rollout-"))
-        os.environ.setdefault("VLLM_CACHE_ROOT", str(self.workdir / "vllm-cache"))
-        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(int(kv_cache_gib)))
         self.eos_token_id = (
             eos_token_id if eos_token_id is not None else _first(getattr(model.config, "eos_token_id", None))
         )
@@ -127,25 +121,33 @@ class VllmEngine(RolloutEngine):
 
         from vllm import LLM
 
-        self.llm = LLM(
-            model=str(self.export_dir),
-            skip_tokenizer_init=tokenizer is None,
-            dtype=str(self.dtype).removeprefix("torch."),
-            enforce_eager=enforce_eager,
-            max_model_len=max_model_len,
-            max_num_batched_tokens=max(max_num_batched_tokens, max_model_len),
-            seed=seed,
-            logprobs_mode="raw_logprobs",
-        )
+        # in-process (so sync can reach the model), this engine's cache folder and KV size: set
+        # while vLLM starts, then the caller's environment is back for the next engine
+        settings = {
+            "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+            "VLLM_CACHE_ROOT": str(self.workdir / "vllm-cache"),
+            "VLLM_CPU_KVCACHE_SPACE": str(int(kv_cache_gib)),
+        }
+        with _vllm_compat.environment(settings):
+            self.llm = LLM(
+                model=str(self.export_dir),
+                skip_tokenizer_init=tokenizer is None,
+                dtype=str(self.dtype).removeprefix("torch."),
+                enforce_eager=enforce_eager,
+                max_model_len=max_model_len,
+                max_num_batched_tokens=max(max_num_batched_tokens, max_model_len),
+                seed=seed,
+                logprobs_mode="raw_logprobs",
+            )
 
     @property
     def worker(self):
         """vLLM's in-process worker (the object with ``reload_weights`` and the model)."""
-        return self.llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker
+        return _vllm_compat.worker(self.llm)
 
     @property
     def vllm_model(self) -> nn.Module:
-        return self.worker.model_runner.model
+        return _vllm_compat.model(self.llm)
 
     def generate(self, prompts, *, n=1, max_new_tokens=64, temperature=1.0, seed=0):
         from vllm import SamplingParams
@@ -203,14 +205,14 @@ class VllmEngine(RolloutEngine):
             )
         start = time.perf_counter()
         tensors = list(rollout_tensors(model, self._recipe_arg, dtype=self.dtype))
-        self.worker.reload_weights(weights_iterator=tensors, is_checkpoint_format=True)
+        _vllm_compat.reload_weights(self.llm, tensors)
         self.llm.reset_prefix_cache()
         return time.perf_counter() - start
 
     def close(self) -> None:
         llm, self.llm = getattr(self, "llm", None), None
         if llm is not None:
-            llm.llm_engine.engine_core.shutdown()
+            _vllm_compat.shutdown(llm)
 
 
 class HfEngine(RolloutEngine):
@@ -238,9 +240,7 @@ class HfEngine(RolloutEngine):
         for i, p in enumerate(prompts):  # left padding: every prompt ends where generation starts
             ids[i, width - len(p):] = torch.tensor(p)
             mask[i, width - len(p):] = 1
-        from ..unify import _STATE_ATTR, rollout_forward
-
-        sampling = rollout_forward(model) if hasattr(model, _STATE_ATTR) else contextlib.nullcontext()
+        sampling = rollout_forward(model) if is_unified(model) else contextlib.nullcontext()
         with torch.random.fork_rng(devices=[]), torch.no_grad(), sampling:
             torch.manual_seed(seed)
             out = model.generate(

@@ -1,0 +1,211 @@
+"""The torch.compile backend of ``unify``: the rewrite pass, weight-cache plumbing, Inductor.
+
+1. Dynamo captures the graph; parameters arrive as placeholders, matched to modules by identity.
+2. ``rewrite_linears`` swaps every eligible ``nn.Linear`` GEMM for the recipe-driven op and adds
+   the inputs the op reads per weight: its FP8 payload, block scales and dequantized copy.
+3. Those inputs come from the ``WeightCache``: quantized once per parameter version, so once per
+   optimizer step, and the same tensors the vLLM exporter reads.
+4. ``compile_fx`` runs AOTAutograd and Inductor; a wrapper around Inductor's inner compile reads
+   the precision of every GEMM off the forward and backward graphs (and dumps them under
+   ``JETRL_DUMP=1``).
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+from torch._inductor.compile_fx import compile_fx, compile_fx_inner
+
+from ..recipes import Recipe
+from ..runtime.fp8_linear import FP8_BACKWARD_INDUCTOR_OPTIONS
+from ..runtime.kernels import bf16_gemm_path, gemm_operand_dtype, kernel_name, uses_emulation
+from ..state import UnifiedState
+from . import dump
+from .precision_report import GemmRecord, classify_backward, gemms_in_graph, graph_has_fp8
+from .rewrite_linears import ParamInfo, RewriteResult, rewrite_linears
+
+log = logging.getLogger("jetrl_compile")
+
+
+@dataclass
+class GraphRecord:
+    """What was compiled for one Dynamo graph, and the precisions read off it."""
+
+    graph_id: int
+    rewrite: RewriteResult
+    compile_id: str = ""
+    bf16_gemm: str = ""  # the BF16 GEMM path the graph was traced with ("native" or "fp32")
+    fp8_kernel: str = ""
+    forward: list[GemmRecord] | None = None
+    backward: list[GemmRecord] | None = None
+    forward_has_fp8: bool | None = None
+    backward_has_fp8: bool | None = None
+
+    def report(self, recipe: Recipe) -> dict:
+        weight_shapes = {s.module: s.shape for s in self.rewrite.sites}
+        fprop = {r.module: r.precision for r in self.forward or [] if r.module in weight_shapes}
+        bwd = classify_backward(self.backward or [], weight_shapes)
+        linears = [
+            {
+                "module": module,
+                "shape": list(shape),
+                "fprop": fprop.get(module, "?"),
+                "dgrad": bwd.get(module, {}).get("dgrad"),
+                "wgrad": bwd.get(module, {}).get("wgrad"),
+            }
+            for module, shape in weight_shapes.items()
+        ]
+        return {
+            "graph": self.graph_id,
+            "recipe": recipe.name,
+            "summary": self.rewrite.summary(),
+            "bf16_gemm": self.bf16_gemm,
+            "fp8_kernel": self.fp8_kernel,
+            "forward_compiled": self.forward is not None,
+            "backward_compiled": self.backward is not None,
+            "linears": linears,
+            "skipped": [{"module": s.module, "shape": list(s.shape), "reason": s.reason} for s in self.rewrite.skipped],
+        }
+
+
+def _param_table(model: nn.Module) -> dict[int, ParamInfo]:
+    """``id(param) -> ParamInfo``; a tied parameter is attributed to the ``nn.Linear`` that uses it."""
+    table: dict[int, ParamInfo] = {}
+    for mod_name, module in model.named_modules(remove_duplicate=False):
+        for attr, p in module.named_parameters(recurse=False):
+            is_linear_weight = isinstance(module, nn.Linear) and attr == "weight"
+            if id(p) in table and not is_linear_weight:
+                continue
+            name = f"{mod_name}.{attr}" if mod_name else attr
+            table[id(p)] = ParamInfo(name, mod_name, is_linear_weight, tuple(p.shape))
+    return table
+
+
+class JetrlBackend:
+    """The torch.compile backend of ``unify``: pass, weight-cache plumbing, Inductor."""
+
+    def __init__(self, model: nn.Module, state: UnifiedState, compiler: str = "inductor"):
+        self.model, self.state, self.compiler = model, state, compiler
+        self.dump_folder = dump.model_folder(state.recipe.name)
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs):
+        state, recipe = self.state, self.state.recipe
+        record = self._new_record(str(gm.meta.get("dynamo_compile_id", "")))
+        table = _param_table(self.model)
+        placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        params = {n.name: table[id(x)] for n, x in zip(placeholders, example_inputs) if id(x) in table}
+
+        if dump.dump_enabled():
+            dump.write_graph(self.dump_folder, record.graph_id, "dynamo_before", gm)
+        gm = _detached_copy(gm)
+        device = next(self.model.parameters()).device
+        # The BF16 GEMM path is read once per graph: the dequantized weights fed to it are made in
+        # that path's operand dtype, and the op traced below takes the same path.
+        record.bf16_gemm, record.fp8_kernel = bf16_gemm_path(device), kernel_name(device)
+        operand_dtype = gemm_operand_dtype(device)
+        record.rewrite = rewrite_linears(gm, params, recipe, dequantized_weights=uses_emulation(device))
+        log.info("graph %d (%s): %s", record.graph_id, recipe.name, record.rewrite.summary())
+        if dump.dump_enabled():
+            dump.write_graph(self.dump_folder, record.graph_id, "dynamo_after", gm)
+
+        # (weight placeholder index, whether the site also takes the dequantized weight)
+        weight_inputs = [
+            (s.weight_input, s.dequantized_input is not None) for s in record.rewrite.rewritten if s.quant_inputs
+        ]
+        cache = state.cache
+
+        def quantized_inputs(args) -> list[torch.Tensor]:
+            extra = []
+            for i, with_dequantized in weight_inputs:
+                extra.extend(cache.get(args[i]))
+                if with_dequantized:
+                    extra.append(cache.get_dequantized(args[i], operand_dtype))
+            return extra
+
+        inputs = [*example_inputs, *_static_fakes(quantized_inputs(example_inputs), example_inputs)]
+        if self.compiler == "inductor":
+
+            def inner_compile(aot_gm, aot_inputs, **kwargs):
+                self._read_precisions(record, aot_gm, kwargs)
+                fp8_backward = kwargs.get("is_backward") and (recipe.dgrad.is_fp8 or recipe.wgrad.is_fp8)
+                with torch._inductor.config.patch(FP8_BACKWARD_INDUCTOR_OPTIONS if fp8_backward else {}):
+                    return compile_fx_inner(aot_gm, aot_inputs, **kwargs)
+
+            compiled = compile_fx(gm, inputs, inner_compile=inner_compile)
+        else:
+            compiled = self._aot_eager(record, gm, inputs)
+        if not weight_inputs:
+            return compiled
+
+        def run(*args):  # Dynamo calls a backend's result with positional args
+            return compiled(*args, *quantized_inputs(args))
+
+        return run
+
+    def _new_record(self, compile_id: str) -> GraphRecord:
+        """A record for this compile. When Dynamo restarts the analysis of a frame it calls the
+        backend again with the same compile id and drops the first result: replace its record."""
+        graphs = self.state.graphs
+        for i, old in enumerate(graphs):
+            if compile_id and old.compile_id == compile_id:
+                graphs[i] = GraphRecord(old.graph_id, RewriteResult(), compile_id=compile_id)
+                return graphs[i]
+        graphs.append(GraphRecord(len(graphs), RewriteResult(), compile_id=compile_id))
+        return graphs[-1]
+
+    def _aot_eager(self, record: GraphRecord, gm, inputs):
+        from functorch.compile import make_boxed_func
+        from torch._dynamo.backends.common import aot_autograd
+
+        def compiler(is_backward):
+            def compile_graph(aot_gm, aot_inputs, **kwargs):
+                self._read_precisions(record, aot_gm, {"is_backward": is_backward})
+                return make_boxed_func(aot_gm.forward)
+
+            return compile_graph
+
+        return aot_autograd(fw_compiler=compiler(False), bw_compiler=compiler(True))(gm, inputs)
+
+    def _read_precisions(self, record: GraphRecord, aot_gm, kwargs) -> None:
+        backward = bool(kwargs.get("is_backward"))
+        inference = bool(kwargs.get("is_inference"))
+        # The cached dequantizations of FP8 weights enter the graph as inputs: they count as
+        # FP8 operands (their values are exactly the FP8 payload times its power-of-two scale).
+        fp8_inputs = {s.dequantized_input for s in record.rewrite.rewritten} - {None}
+        gemms = gemms_in_graph(aot_gm, "backward" if backward else "forward", fp8_inputs)
+        if backward:
+            record.backward, record.backward_has_fp8 = gemms, graph_has_fp8(aot_gm)
+        else:
+            record.forward, record.forward_has_fp8 = gemms, graph_has_fp8(aot_gm)
+        if dump.dump_enabled():
+            name = "aot_backward" if backward else ("aot_forward_inference" if inference else "aot_forward")
+            dump.write_graph(self.dump_folder, record.graph_id, name, aot_gm)
+            dump.write_report(self.dump_folder, record.graph_id, record.report(self.state.recipe))
+
+
+def _static_fakes(tensors: list[torch.Tensor], example_inputs) -> list[torch.Tensor]:
+    """Example values for the added inputs, with static shapes: a weight's payload and scales
+    never change shape, and under ``dynamic=True`` AOTAutograd would otherwise give every dim of
+    them a symbol, and the quantizer's shape branches would become guards."""
+    fake_mode = torch._guards.detect_fake_mode(example_inputs)
+    if fake_mode is None:
+        return tensors
+    return [fake_mode.from_tensor(t, static_shapes=True) for t in tensors]
+
+
+def _detached_copy(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """A copy of a Dynamo graph module that the pass may change: Dynamo keeps reading the
+    original's placeholders after the backend returns. Carries the Dynamo metadata AOTAutograd
+    reads (``meta``, ``_param_name_to_source``, each placeholder's ``_dynamo_source``)."""
+    new = torch.fx.GraphModule(gm, copy.deepcopy(gm.graph))
+    new.meta = dict(gm.meta)
+    if hasattr(gm, "_param_name_to_source"):
+        new._param_name_to_source = gm._param_name_to_source
+    for old, node in zip(gm.graph.find_nodes(op="placeholder"), new.graph.find_nodes(op="placeholder")):
+        if hasattr(old, "_dynamo_source"):
+            node._dynamo_source = old._dynamo_source
+    return new

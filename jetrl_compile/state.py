@@ -1,0 +1,39 @@
+"""What ``unify`` attaches to a model: the compiler writes it, the rollout side reads it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch.nn as nn
+
+from .recipes import Recipe
+from .runtime.weight_cache import WeightCache
+
+STATE_ATTR = "_jetrl_state"
+
+
+@dataclass
+class UnifiedState:
+    recipe: Recipe
+    mode: str
+    cache: WeightCache = field(default_factory=WeightCache)
+    graphs: list = field(default_factory=list)  # passes.backend.GraphRecord, one per compile
+    patched: list[nn.Module] = field(default_factory=list)
+
+    @property
+    def compiles(self) -> int:
+        """How many graphs were compiled (a graph break or a recompile adds one)."""
+        return len(self.graphs)
+
+
+def is_unified(model: nn.Module) -> bool:
+    return hasattr(model, STATE_ATTR)
+
+
+def unified_state(model: nn.Module) -> UnifiedState:
+    """The recipe, weight cache and compiled-graph records of a unified model."""
+    state = getattr(model, STATE_ATTR, None)
+    if state is None:
+        raise ValueError(f"{type(model).__name__} is not unified; call jetrl_compile.unify(model, recipe) first")
+    return state
+
