@@ -15,9 +15,7 @@ pytestmark = [
 @pytest.fixture
 def scaled_mm_enabled(monkeypatch):
     monkeypatch.setenv("JETRL_FP8_KERNEL", "scaled_mm")
-    kernels._cuda_blockwise_enabled.cache_clear()
-    yield kernels._cuda_blockwise_enabled(torch.cuda.current_device())
-    kernels._cuda_blockwise_enabled.cache_clear()
+    return kernels._cuda_blockwise_enabled(torch.cuda.current_device())
 
 
 def _operands(layout, x, w, dy):

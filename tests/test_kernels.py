@@ -28,7 +28,7 @@ def test_switch_forces_each_path_and_auto_follows_the_cpu(monkeypatch):
     monkeypatch.delenv("JETRL_BF16_GEMM")
     assert bf16_gemm_path("cpu") == ("native" if cpu_has_bf16_dot_product() else "fp32")
     monkeypatch.setenv("JETRL_BF16_GEMM", "fast")
-    with pytest.raises(ValueError, match="JETRL_BF16_GEMM='fast' is unknown; choose auto, native or fp32"):
+    with pytest.raises(ValueError, match="JETRL_BF16_GEMM='fast' is unknown; choose one of auto, native, fp32"):
         bf16_gemm_path("cpu")
 
 
@@ -88,3 +88,19 @@ def test_every_recipe_gemm_forward_and_backward_is_the_definition_on_both_paths(
         wgrad_a, wgrad_b = dy.double().t(), x16.double().t()
     assert_within_gemm_definition(w.grad, wgrad_a, wgrad_b)
     assert x.grad.dtype == w.grad.dtype == torch.float32
+
+
+def test_switches_are_read_when_used_and_refuse_unknown_values(monkeypatch):
+    from jetrl_compile.runtime import switches
+
+    for value, want in [("native", "native"), ("fp32", "fp32")]:
+        monkeypatch.setenv("JETRL_BF16_GEMM", value)
+        assert bf16_gemm_path("cpu") == want  # no cache to clear between settings
+    monkeypatch.setenv("JETRL_BF16_GEMM", "bf16")
+    with pytest.raises(ValueError, match="JETRL_BF16_GEMM='bf16' is unknown; choose one of auto, native, fp32"):
+        bf16_gemm_path("cpu")
+    monkeypatch.setenv("JETRL_FUSED_QUANTIZE", "yes")
+    with pytest.raises(ValueError, match="JETRL_FUSED_QUANTIZE='yes' is not a switch value"):
+        switches.fused_quantize()
+    monkeypatch.setenv("JETRL_FP8_KERNEL", "scaled_mm")
+    assert switches.fp8_kernel() == "scaled_mm"

@@ -100,3 +100,12 @@ def test_the_vllm_plugin_entry_point_adds_no_compiler_rl_or_model_code():
     forbidden = ("torch._inductor.compile_fx", "jetrl_compile.passes", "jetrl_compile.rl", "jetrl_compile.unify",
                  "transformers.models")
     assert [m for m in added if m.startswith(forbidden)] == []
+
+
+def test_environment_is_read_in_one_module_and_written_by_none():
+    """``JETRL_*`` switches live in runtime/switches.py; only _vllm_compat touches vLLM's settings
+    (and puts them back)."""
+    allowed = {PACKAGE / "runtime" / "switches.py", PACKAGE / "rollout" / "_vllm_compat.py"}
+    offenders = [str(p.relative_to(PACKAGE.parent)) for p in PACKAGE.rglob("*.py")
+                 if p not in allowed and ("os.environ" in p.read_text() or "os.getenv" in p.read_text())]
+    assert offenders == []

@@ -23,9 +23,11 @@ from pathlib import Path
 
 import torch.fx as fx
 
+from ..runtime import switches
+
 
 def dump_enabled() -> bool:
-    return os.environ.get("JETRL_DUMP", "0") not in ("", "0", "false", "False")
+    return switches.dump()
 
 
 _RUN_DIR: Path | None = None
@@ -34,7 +36,7 @@ _RUN_DIR: Path | None = None
 def run_dir() -> Path:
     """This process's dump folder, created on first use."""
     global _RUN_DIR
-    root = Path(os.environ.get("JETRL_DUMP_DIR", "jetrl_dump"))
+    root = switches.dump_dir()
     if _RUN_DIR is None or _RUN_DIR.parent != root:
         _RUN_DIR = root / f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
         _RUN_DIR.mkdir(parents=True, exist_ok=True)

@@ -36,25 +36,21 @@ process call the same function, so they always take the same path and stay bitwi
 
 from __future__ import annotations
 
-import functools
-import os
 import platform
 
 import torch
 import torch.nn.functional as F
 
+from . import switches
 from .quantize import GROUP, Quantized, block_scale_shape, dequantize, fake_quantize_groupwise, fused_quantize_groupwise
 
 BF16 = torch.bfloat16
 BF16_GEMM_PATHS = ("native", "fp32")
-BF16_GEMM_SWITCH = "JETRL_BF16_GEMM"
 
 
 def bf16_gemm_path(device: torch.device | str) -> str:
     """``"native"`` or ``"fp32"``: how a GEMM of BF16 operands runs on ``device`` (module docstring)."""
-    forced = os.environ.get(BF16_GEMM_SWITCH, "auto")
-    if forced not in ("auto", *BF16_GEMM_PATHS):
-        raise ValueError(f"{BF16_GEMM_SWITCH}={forced!r} is unknown; choose auto, native or fp32")
+    forced = switches.bf16_gemm()
     if forced != "auto":
         return forced
     if torch.device(device).type != "cpu":
@@ -170,9 +166,8 @@ def bf16_gemm_name(device: torch.device | str) -> str:
     return "native bf16 matmul"
 
 
-@functools.cache
 def _cuda_blockwise_enabled(device_index: int) -> bool:
-    if os.environ.get("JETRL_FP8_KERNEL") != "scaled_mm" or not torch.cuda.is_available():
+    if switches.fp8_kernel() != "scaled_mm" or not torch.cuda.is_available():
         return False
     # cuBLAS's 1x128 / 128x128 scaling exists for sm90 only (and cuBLAS 12.9+).
     return torch.cuda.get_device_capability(device_index)[0] == 9

@@ -30,10 +30,11 @@ groups and the partial tail group are handled as two separate tensors and joined
 from __future__ import annotations
 
 import functools
-import os
 from typing import NamedTuple
 
 import torch
+
+from . import switches
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
@@ -146,7 +147,7 @@ def cast_saturated(x: torch.Tensor) -> torch.Tensor:
 
 
 def _check_finite(x: torch.Tensor, what: str) -> None:
-    if os.environ.get("JETRL_CHECK_FINITE") == "1" and not torch.compiler.is_compiling():
+    if not torch.compiler.is_compiling() and switches.check_finite():
         if not torch.isfinite(x).all():
             bad = (~torch.isfinite(x)).sum().item()
             raise FloatingPointError(
@@ -205,7 +206,7 @@ def _fake_quantize(x: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torc
 
 
 def _eager_or_fused(fn, x: torch.Tensor, *args):
-    if torch.compiler.is_compiling() or os.environ.get("JETRL_FUSED_QUANTIZE") == "0":
+    if torch.compiler.is_compiling() or not switches.fused_quantize():
         return fn(x, *args)
     _check_finite(x, "quantize_groupwise")  # skipped inside the compiled function
     return _compiled(fn)(x, *args)

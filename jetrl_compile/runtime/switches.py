@@ -1,0 +1,66 @@
+"""Every ``JETRL_*`` environment switch, in one place, read when used (nothing cached: set one
+and the next call sees it; under torch.compile a switch is read when a graph is traced, so a
+compiled graph keeps the value it was traced with). The README's switches table lists them.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+BF16_GEMM = "JETRL_BF16_GEMM"
+FP8_KERNEL = "JETRL_FP8_KERNEL"
+FUSED_QUANTIZE = "JETRL_FUSED_QUANTIZE"
+CHECK_FINITE = "JETRL_CHECK_FINITE"
+DUMP = "JETRL_DUMP"
+DUMP_DIR = "JETRL_DUMP_DIR"
+
+BF16_GEMM_CHOICES = ("auto", "native", "fp32")
+FP8_KERNEL_CHOICES = ("emulate", "scaled_mm")
+
+
+def _choice(name: str, default: str, choices: tuple[str, ...]) -> str:
+    value = os.environ.get(name, default) or default
+    if value not in choices:
+        raise ValueError(f"{name}={value!r} is unknown; choose one of {', '.join(choices)}")
+    return value
+
+
+def _flag(name: str, default: bool) -> bool:
+    value = os.environ.get(name)
+    if value is None or value == "":
+        return default
+    if value in ("1", "true", "True"):
+        return True
+    if value in ("0", "false", "False"):
+        return False
+    raise ValueError(f"{name}={value!r} is not a switch value; use 1 or 0")
+
+
+def bf16_gemm() -> str:
+    """``auto`` (probe the CPU), ``native`` or ``fp32``: how BF16-operand GEMMs run (kernels)."""
+    return _choice(BF16_GEMM, "auto", BF16_GEMM_CHOICES)
+
+
+def fp8_kernel() -> str:
+    """``emulate`` (default) or ``scaled_mm``: the real CUDA blockwise FP8 GEMM on sm90."""
+    return _choice(FP8_KERNEL, "emulate", FP8_KERNEL_CHOICES)
+
+
+def fused_quantize() -> bool:
+    """Eager quantizes run as one compiled kernel (default on)."""
+    return _flag(FUSED_QUANTIZE, True)
+
+
+def check_finite() -> bool:
+    """Eager quantizes raise on NaN/inf input, naming the tensor (default off)."""
+    return _flag(CHECK_FINITE, False)
+
+
+def dump() -> bool:
+    """Write every graph the pass saw and produced (default off)."""
+    return _flag(DUMP, False)
+
+
+def dump_dir() -> Path:
+    return Path(os.environ.get(DUMP_DIR) or "jetrl_dump")
