@@ -85,17 +85,64 @@ def test_one_step_end_to_end(tmp_path, recipe, engine):
         assert row["logprob_abs_diff_mean"] < 1e-3, row  # one precision flow: the engine samples the trainer's function
 
 
+class EarnableTask(ArithmeticTask):
+    """A reward a tiny random model earns unevenly (a function of the sampled bytes), so group
+    advantages, gradients and weight updates are nonzero: what a resume test needs to prove anything."""
+
+    def score(self, completion, problem):
+        return (sum(completion.encode()) % 5) / 4, False
+
+
+def _resume_case(tmp_path, engine, **kw):
+    """(uninterrupted run, run interrupted after step 2 and resumed to step 4)."""
+    cfg = dict(steps=4, engine=engine, lr=1e-2, **kw)
+    straight, straight_rows = _run(_cfg(tmp_path / "a", **cfg), task=EarnableTask(seed=0))
+    _run(_cfg(tmp_path / "b", **{**cfg, "steps": 2}), task=EarnableTask(seed=0))
+    resumed, resumed_rows = _run(_cfg(tmp_path / "b", **cfg, resume=True), task=EarnableTask(seed=0),
+                                 seed=123)  # weights come from the checkpoint
+    return (straight, straight_rows, tmp_path / "a"), (resumed, resumed_rows, tmp_path / "b")
+
+
+def _untimed(rows):
+    return [{k: v for k, v in r.items() if not k.endswith("_s") and k != "tokens_per_s"} for r in rows]
+
+
+def _checkpoint(root):
+    return torch.load(latest_checkpoint(root / "run"), weights_only=True)
+
+
 @pytest.mark.parametrize("engine", ENGINES)
 def test_resume_continues_bit_for_bit(tmp_path, engine):
-    straight, _ = _run(_cfg(tmp_path / "a", steps=4, engine=engine))
-    _run(_cfg(tmp_path / "b", steps=2, engine=engine))
-    resumed, metrics = _run(_cfg(tmp_path / "b", steps=4, engine=engine, resume=True),
-                            seed=123)  # weights come from the checkpoint
-    assert [m["step"] for m in metrics] == [3, 4]
-    for (name, a), (_, b) in zip(straight.state_dict().items(), resumed.state_dict().items()):
-        assert torch.equal(a, b), name
-    lines = (tmp_path / "b" / "run" / "metrics.jsonl").read_text().splitlines()
-    assert [json.loads(line)["step"] for line in lines] == [1, 2, 3, 4]
+    (straight, rows, a), (resumed, resumed_rows, b) = _resume_case(tmp_path, engine)
+    assert all(r["grad_norm"] > 0 for r in rows)  # every step moved the weights (the loss of an
+    # on-policy step is about 0 by construction: normalised advantages average to 0)
+    initial = tiny_model("llama", layers=1, seed=0, **VLLM_TINY)
+    assert not torch.equal(initial.lm_head.weight, straight.lm_head.weight.float())
+    assert [m["step"] for m in resumed_rows] == [3, 4]
+    for (name, x), (_, y) in zip(straight.state_dict().items(), resumed.state_dict().items()):
+        assert torch.equal(x, y), name
+    opt_a, opt_b = _checkpoint(a)["optimizer"], _checkpoint(b)["optimizer"]
+    for key, state in opt_a["state"].items():
+        assert state["exp_avg"].abs().sum() > 0
+        for field in ("step", "exp_avg", "exp_avg_sq"):
+            assert torch.equal(state[field], opt_b["state"][key][field]), (key, field)
+    assert _untimed(resumed_rows) == _untimed(rows[2:])
+    lines = (b / "run" / "metrics.jsonl").read_text().splitlines()
+    assert _untimed(json.loads(line) for line in lines) == _untimed(rows)
+
+
+@pytest.mark.parametrize("broken", ["task_rng", "optimizer"])
+def test_resume_test_fails_when_restore_is_broken(tmp_path, monkeypatch, broken):
+    """The resume test above can fail: skip restoring the task's RNG (the problem stream) or the
+    AdamW state and the resumed run leaves the uninterrupted one. (torch's and Python's global RNG
+    states are restored too, but nothing in the loop draws from them: rollout sampling is seeded
+    per request.)"""
+    if broken == "task_rng":
+        monkeypatch.setattr(EarnableTask, "load_state_dict", lambda self, state: None)
+    else:
+        monkeypatch.setattr(torch.optim.AdamW, "load_state_dict", lambda self, state: None)
+    (straight, _, _), (resumed, _, _) = _resume_case(tmp_path, "hf")
+    assert not all(torch.equal(x, y) for x, y in zip(straight.state_dict().values(), resumed.state_dict().values()))
 
 
 class PoisonedTask(ArithmeticTask):
