@@ -29,7 +29,7 @@ import torch.nn as nn
 
 from .. import __version__
 from ..recipes import DEFAULT_RECIPE, Recipe, get_recipe
-from ..runtime.quantize import block_scale_shape
+from ..runtime.format import SCALE_NAMES, block_scale_shape
 from ..runtime.weight_cache import WeightCache
 from ..state import STATE_ATTR
 
@@ -86,7 +86,7 @@ def rollout_tensors(
         )
     dtype = engine_dtype(model, dtype) if fmt == "jetrl" else torch.bfloat16
     linears = {f"{name}.weight" for name in rollout_linears(model, recipe)}
-    scale_name = "weight_scale" if fmt == "jetrl" else "weight_scale_inv"
+    scale_name = SCALE_NAMES[fmt]
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name not in linears:

@@ -24,9 +24,10 @@ from typing import Any
 import torch
 from torch.nn import Parameter
 
+from ..runtime.format import FP8_DTYPE, GROUP
 from ..runtime.fp8_linear import linear_with_quantized_weight
 from ..runtime.kernels import gemm_operand_dtype
-from ..runtime.quantize import FP8_DTYPE, GROUP, dequantize
+from ..runtime.quantize import dequantize
 from ._vllm_compat import plugin_api
 from .export import METHOD, is_power_of_two
 

@@ -42,7 +42,8 @@ import torch
 import torch.nn.functional as F
 
 from . import switches
-from .quantize import GROUP, Quantized, block_scale_shape, dequantize, fake_quantize_groupwise, fused_quantize_groupwise
+from .format import GROUP, block_scale_shape
+from .quantize import Quantized, dequantize, fake_quantize_groupwise, fused_quantize_groupwise
 
 BF16 = torch.bfloat16
 BF16_GEMM_PATHS = ("native", "fp32")

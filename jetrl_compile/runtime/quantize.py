@@ -35,10 +35,8 @@ from typing import NamedTuple
 import torch
 
 from . import switches
+from .format import FP8_DTYPE, FP8_MAX, GROUP, block_scale_shape, group_scale_shape
 
-FP8_DTYPE = torch.float8_e4m3fn
-FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
-GROUP = 128
 _MIN_EXP, _MAX_EXP = -126, 127
 # torchao clamps amax to at least this before taking 448 / amax; below it our rule takes over
 TORCHAO_MIN_AMAX = 1e-12
@@ -232,7 +230,7 @@ def dequantize(data: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = tor
     if data.dtype != FP8_DTYPE:
         raise TypeError(f"dequantize takes a float8_e4m3fn payload; got {data.dtype}")
     # Multiply in float32: exact for powers of two, then one exact rounding into dtype.
-    if scale.shape[:-1] == data.shape[:-1]:
+    if tuple(scale.shape) == group_scale_shape(data.shape):
         return _per_group_last(data, scale, _dequantize_op).to(dtype)
     if data.dim() == 2 and scale.dim() == 2 and scale.shape == block_scale_shape(data.shape):
         return _per_block(data, scale, _dequantize_op).to(dtype)
@@ -240,9 +238,3 @@ def dequantize(data: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = tor
         f"scale of shape {tuple(scale.shape)} fits neither 1x128 groups nor 128x128 blocks of a "
         f"payload of shape {tuple(data.shape)}"
     )
-
-
-def block_scale_shape(shape: torch.Size | tuple[int, int]) -> tuple[int, int]:
-    """Shape of the 128 x 128 block scales of an (N, K) weight."""
-    n, k = shape
-    return (-(-n // GROUP), -(-k // GROUP))
