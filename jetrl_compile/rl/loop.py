@@ -133,12 +133,8 @@ def train(cfg: GrpoConfig, *, model=None, tokenizer=None, task: Task | None = No
     metrics_path = out / "metrics.jsonl"
     torch.manual_seed(cfg.seed)
     random.seed(cfg.seed)
-    if model is None:
-        model, tokenizer = load_model(cfg.model, dtype=torch.float32)
-    model.float()  # FP32 master weights; every GEMM runs from the recipe's BF16/FP8 copies
+    model, tokenizer, task, pad = _setup(cfg, model, tokenizer, task)
     model.config.use_cache = False
-    task = task or make_task(cfg.task, seed=cfg.seed, data=cfg.data, difficulty=cfg.difficulty)
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     ref_model = _reference_copy(model, cfg) if cfg.beta else None
     unify(model, cfg.recipe, mode=cfg.trainer_mode, dynamic=True if cfg.trainer_mode == "compile" else None)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
@@ -164,9 +160,7 @@ def train(cfg: GrpoConfig, *, model=None, tokenizer=None, task: Task | None = No
         metrics_path.write_text("")
     (out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
 
-    hf_tokenizer = tokenizer if hasattr(tokenizer, "save_pretrained") else None
-    engine = make_engine(model, cfg.engine, tokenizer=hf_tokenizer, workdir=out / "engine", seed=cfg.seed,
-                         eos_token_id=tokenizer.eos_token_id, pad_token_id=pad)
+    engine = _engine(model, tokenizer, cfg, out / "engine", pad, seed=cfg.seed)
     bar = _progress(cfg, start) if progress else None
     done = start
     task_state = task.state_dict()
@@ -249,6 +243,23 @@ def _truncate_metrics(path: Path, step: int) -> None:
     path.write_text("".join(line + "\n" for line in kept))
 
 
+def _setup(cfg: GrpoConfig, model, tokenizer, task):
+    """What training and evaluation both start from: the model with FP32 master weights (every
+    GEMM runs from the recipe's BF16/FP8 copies), its tokenizer, the task and the pad token."""
+    if model is None:
+        model, tokenizer = load_model(cfg.model, dtype=torch.float32)
+    model.float()
+    task = task or make_task(cfg.task, seed=cfg.seed, data=cfg.data, difficulty=cfg.difficulty)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    return model, tokenizer, task, pad
+
+
+def _engine(model, tokenizer, cfg: GrpoConfig, workdir: Path, pad: int, **kwargs):
+    hf_tokenizer = tokenizer if hasattr(tokenizer, "save_pretrained") else None  # vLLM saves a real one
+    return make_engine(model, cfg.engine, tokenizer=hf_tokenizer, workdir=workdir,
+                       eos_token_id=tokenizer.eos_token_id, pad_token_id=pad, **kwargs)
+
+
 def _reference_copy(model, cfg: GrpoConfig):
     import copy
 
@@ -267,18 +278,12 @@ def _progress(cfg: GrpoConfig, start: int):
 def evaluate(cfg: GrpoConfig, *, model=None, tokenizer=None, task: Task | None = None) -> dict:
     """Greedy accuracy on the task's held-out split (``cfg.limit`` problems), with the latest
     checkpoint in ``cfg.out`` if there is one."""
-    if model is None:
-        model, tokenizer = load_model(cfg.model, dtype=torch.float32)
-    model.float()
-    task = task or make_task(cfg.task, seed=cfg.seed, data=cfg.data, difficulty=cfg.difficulty)
+    model, tokenizer, task, pad = _setup(cfg, model, tokenizer, task)
     path = latest_checkpoint(cfg.out)
     if path is not None:
         model.load_state_dict(load_checkpoint(path, cfg.run_defining())["model"])
     unify(model, cfg.recipe, mode="eager")
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    hf_tokenizer = tokenizer if hasattr(tokenizer, "save_pretrained") else None
-    engine = make_engine(model, cfg.engine, tokenizer=hf_tokenizer, workdir=Path(cfg.out) / "eval-engine",
-                         eos_token_id=tokenizer.eos_token_id, pad_token_id=pad)
+    engine = _engine(model, tokenizer, cfg, Path(cfg.out) / "eval-engine", pad)
     try:
         problems = task.eval_problems(cfg.limit)
         groups = engine.generate([task.prompt_ids(tokenizer, p) for p in problems], n=1,

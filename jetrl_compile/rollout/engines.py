@@ -243,11 +243,15 @@ class HfEngine(RolloutEngine):
         sampling = rollout_forward(model) if is_unified(model) else contextlib.nullcontext()
         with torch.random.fork_rng(devices=[]), torch.no_grad(), sampling:
             torch.manual_seed(seed)
+            # temperature 0 is greedy (as in vLLM); the n copies of each prompt are made here, the
+            # way generate would, since greedy generate refuses num_return_sequences > 1
+            sampling_args = dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0) if temperature > 0 \
+                else dict(do_sample=False)
             out = model.generate(
-                input_ids=ids.to(device), attention_mask=mask.to(device), do_sample=True, temperature=temperature,
-                top_k=0, top_p=1.0, max_new_tokens=max_new_tokens, num_return_sequences=n,
-                eos_token_id=self.eos_token_id, pad_token_id=self.pad_token_id,
-                output_logits=True, return_dict_in_generate=True,
+                input_ids=ids.repeat_interleave(n, dim=0).to(device),
+                attention_mask=mask.repeat_interleave(n, dim=0).to(device),
+                max_new_tokens=max_new_tokens, eos_token_id=self.eos_token_id, pad_token_id=self.pad_token_id,
+                output_logits=True, return_dict_in_generate=True, **sampling_args,
             )
         tokens = out.sequences[:, width:].cpu()
         logits = torch.stack(out.logits, dim=1).float().cpu()  # (B*n, T, V): raw, before temperature

@@ -277,3 +277,17 @@ def test_help_documents_every_flag():
     for flag in ["--model", "--task", "--data", "--recipe", "--engine", "--steps", "--group-size", "--batch-size",
                  "--max-new-tokens", "--lr", "--seed", "--out", "--resume", "--eval", "--limit"]:
         assert flag in out, flag
+
+
+def test_evaluate_scores_the_latest_checkpoint_on_held_out_problems(tmp_path):
+    from jetrl_compile.rl.loop import evaluate
+
+    cfg = _cfg(tmp_path, steps=1, lr=1e-2, limit=5)
+    trained, _ = _run(cfg, task=EarnableTask(seed=0))
+    fresh = tiny_model("llama", layers=1, seed=7, **VLLM_TINY)
+    result = evaluate(cfg, model=fresh, tokenizer=ByteTokenizer(), task=ArithmeticTask(seed=0))
+    assert result["problems"] == 5 and 0.0 <= result["accuracy"] <= 1.0
+    assert result["checkpoint"] == str(latest_checkpoint(cfg.out))
+    assert json.loads((Path(cfg.out) / "eval.json").read_text()) == result
+    for (name, a), (_, b) in zip(trained.state_dict().items(), fresh.state_dict().items()):
+        assert torch.equal(a, b), name  # the checkpoint's weights, not the fresh model's

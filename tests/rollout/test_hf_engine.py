@@ -39,3 +39,14 @@ def test_compiled_fp8_rollout_only_samples_fp8_and_keeps_its_compiled_forward():
     assert model._compiled_call_impl is not None
     model(input_ids=torch.tensor([PROMPTS[0]]))
     assert jetrl_compile.unified_state(model).compiles >= 1  # the training forward still runs compiled
+
+
+def test_temperature_zero_is_greedy_for_every_copy():
+    model = jetrl_compile.unify(tiny_model("llama", layers=2), "fp8_fwd_bf16_bwd", mode="eager")
+    groups = HfEngine(model).generate(PROMPTS[:2], n=3, max_new_tokens=6, temperature=0.0)
+    for prompt, group in zip(PROMPTS, groups):
+        assert len({tuple(c.token_ids) for c in group}) == 1  # every copy greedy, so all equal
+        ids = torch.tensor([prompt])
+        with torch.no_grad():
+            first = model(input_ids=ids).logits[0, -1].argmax().item()
+        assert group[0].token_ids[0] == first
