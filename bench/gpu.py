@@ -46,8 +46,8 @@ from common import table  # noqa: E402
 from jetrl_compile.runtime import (  # noqa: E402
     Quantized,
     dequantize,
+    fp8_linear,
     kernels,  # noqa: E402
-    linear_with_quantized_weight,
     quantize_blockwise,
     quantize_groupwise,
 )
@@ -193,7 +193,7 @@ def check_kernels(device, shapes, report: Report) -> bool:
 def bench_linear(device, shapes: dict, tokens: list[int], reps: int, report: Report, fp8_kernel: bool) -> None:
     def recipe_fn(fprop, dgrad, wgrad):
         def fn(x, w, q, s, deq):
-            return linear_with_quantized_weight(x, w, None, q, s, deq, fprop=fprop, dgrad=dgrad, wgrad=wgrad)
+            return fp8_linear(x, w, None, q, s, deq, fprop=fprop, dgrad=dgrad, wgrad=wgrad)
         return fn
 
     use_fp8_kernel(fp8_kernel)

@@ -24,7 +24,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from common import interleaved_medians, table, write_result  # noqa: E402
 
-from jetrl_compile.runtime import dequantize, linear_with_quantized_weight, quantize_blockwise  # noqa: E402
+from jetrl_compile.runtime import dequantize, fp8_linear, quantize_blockwise  # noqa: E402
 from jetrl_compile.runtime.fp8_linear import FP8_BACKWARD_INDUCTOR_OPTIONS  # noqa: E402
 
 SMOLLM2 = [(576, 1536), (1536, 576), (576, 576), (576, 192)]  # (K in, N out)
@@ -35,7 +35,7 @@ BF16 = torch.bfloat16
 
 def _recipe_linear(fprop, dgrad, wgrad):
     def fn(x, w, q, s, deq):
-        return linear_with_quantized_weight(x, w, None, q, s, deq, fprop=fprop, dgrad=dgrad, wgrad=wgrad)
+        return fp8_linear(x, w, None, q, s, deq, fprop=fprop, dgrad=dgrad, wgrad=wgrad)
 
     return fn
 

@@ -16,7 +16,7 @@ import torch
 import torch.nn as nn
 
 from .recipes import DEFAULT_RECIPE, Recipe, get_recipe
-from .runtime.fp8_linear import linear_with_quantized_weight
+from .runtime.fp8_linear import fp8_linear
 from .runtime.kernels import gemm_operand_dtype, uses_emulation
 from .runtime.weight_cache import WeightCache
 from .state import STATE_ATTR, UnifiedState, unified_state
@@ -150,7 +150,7 @@ def _patch_linears_eager(model: nn.Module, recipe: Recipe, cache: WeightCache) -
             deq = None
             if recipe.fprop.is_fp8 and uses_emulation(module.weight.device):
                 deq = cache.get_dequantized(module.weight, gemm_operand_dtype(module.weight.device))
-            return linear_with_quantized_weight(
+            return fp8_linear(
                 x, module.weight, module.bias, q, s, deq,
                 fprop=recipe.fprop.dtype, dgrad=recipe.dgrad.dtype, wgrad=recipe.wgrad.dtype,
             )

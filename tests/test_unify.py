@@ -117,7 +117,10 @@ def test_jetrl_gradients_between_ops_stay_bf16_or_wider(trained):
     (graph,) = jetrl_compile.unified_state(model).graphs
     # Every FP8 value in the backward graph feeds a GEMM operand, never an op's gradient output:
     # the GEMM outputs (dx handed to the previous op, dW) are BF16 or FP32.
-    assert all(r.precision == "fp8" for r in graph.backward if r.module != "lm_head")
+    quantized = [r for r in graph.backward if r.module != "lm_head"]
+    assert quantized and all(r.precision == "fp8" for r in quantized)
+    assert {r.out_dtype for r in graph.backward} <= {"bfloat16", "float32"}
+    assert {r.out_dtype for r in quantized} == {"bfloat16"}
 
 
 def test_training_drives_loss_down_alike_for_every_recipe(trained):
@@ -241,8 +244,8 @@ def test_dump_writes_graphs_and_precision_report(tmp_path, monkeypatch):
     graph = first / "graph_000"
     assert "f8e4m3fn" in (graph / "aot_forward.py").read_text()
     assert "f8e4m3fn" not in (graph / "aot_backward.py").read_text()
-    assert "linear_with_quantized_weight" in (graph / "dynamo_after.py").read_text()
-    assert "linear_with_quantized_weight" not in (graph / "dynamo_before.py").read_text()
+    assert "fp8_linear" in (graph / "dynamo_after.py").read_text()
+    assert "fp8_linear" not in (graph / "dynamo_before.py").read_text()
     report = json.loads((graph / "precision_report.json").read_text())
     assert report["backward_compiled"] and len(report["linears"]) == 15
     assert_expected_inline(

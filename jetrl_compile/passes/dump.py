@@ -7,7 +7,7 @@ not between runs, not by a second model (a reference model, two recipes compared
 Inside, one folder per compiled graph, ``graph_000/``, ``graph_001/``, ... holds:
 
 - ``dynamo_before.py``: the graph Dynamo captured, before the pass,
-- ``dynamo_after.py``: after the pass (``linear_with_quantized_weight`` calls, precisions as kwargs),
+- ``dynamo_after.py``: after the pass (``fp8_linear`` calls, precisions as kwargs),
 - ``aot_forward.py`` / ``aot_backward.py`` (or ``aot_forward_inference.py`` under no_grad): the
   graphs handed to Inductor, with dtypes on every value (``f8e4m3fn`` marks FP8),
 - ``precision_report.md`` and ``precision_report.json``: per linear, the precision of fprop,

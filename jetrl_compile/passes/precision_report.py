@@ -42,6 +42,7 @@ class GemmRecord:
     node: str
     operand_dtypes: tuple[str, str]  # "fp8" | "bf16" | other dtype name, per operand
     out_shape: tuple
+    out_dtype: str = ""  # the dtype the GEMM writes (a dgrad's is the gradient handed to the previous op)
 
     @property
     def precision(self) -> str:
@@ -126,6 +127,7 @@ def gemms_in_graph(gm: fx.GraphModule, graph: str, fp8_inputs=frozenset()) -> li
                 node=node.name,
                 operand_dtypes=(_operand_precision(a, fp8_inputs), _operand_precision(b, fp8_inputs)),
                 out_shape=tuple(val.shape) if val is not None else (),
+                out_dtype=str(val.dtype).removeprefix("torch.") if val is not None else "",
             )
         )
     return records

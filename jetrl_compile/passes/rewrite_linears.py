@@ -8,7 +8,7 @@ the weight (or bias) of which ``nn.Linear``. It matches the forms Dynamo produce
 - ``x @ W.t()`` / ``torch.matmul(x, W.T)`` / ``torch.mm(x, W.t())``, with ``addmm(b, x, W.t())``.
 
 Each match whose weight belongs to an eligible ``nn.Linear`` becomes
-``linear_with_quantized_weight(x, W, b, W_q, W_s[, W_deq], fprop=..., dgrad=..., wgrad=...)``,
+``fp8_linear(x, W, b, W_q, W_s[, W_deq], fprop=..., dgrad=..., wgrad=...)``,
 where ``W_q``, ``W_s`` (and, for the emulated kernel, the dequantization ``W_deq`` in the GEMM's
 operand dtype) are new placeholders appended after the existing ones: the caller feeds them from
 the weight cache, so a weight is quantized once per optimizer step, not once per call. A parameter
@@ -24,7 +24,7 @@ import torch
 import torch.fx as fx
 
 from ..recipes import Recipe
-from ..runtime.fp8_linear import linear_with_quantized_weight
+from ..runtime.fp8_linear import fp8_linear
 
 LINEAR_TARGETS = (torch._C._nn.linear, torch.nn.functional.linear)
 MATMUL_TARGETS = (operator.matmul, torch.matmul, torch.mm, torch.ops.aten.mm.default)
@@ -184,7 +184,7 @@ def rewrite_linears(
             n_inputs += len(quant_args)
         with graph.inserting_before(node):
             new = graph.call_function(
-                linear_with_quantized_weight,
+                fp8_linear,
                 (x, w, b, *quant_args),
                 {"fprop": recipe.fprop.dtype, "dgrad": recipe.dgrad.dtype, "wgrad": recipe.wgrad.dtype},
             )

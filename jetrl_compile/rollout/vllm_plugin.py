@@ -7,7 +7,7 @@ method in its ``quantization_config``; vLLM then builds each linear with ``Jetrl
 - FP8 rollout recipes: ``weight`` is the trainer's float8_e4m3fn payload and ``weight_scale`` its
   power-of-two block scales, stored here one row per weight row (``BlockScaleRows``) so that any
   fused shard (qkv, gate_up) and any tensor-parallel split of the rows lands on the right scales.
-  ``apply`` calls ``linear_with_quantized_weight``, the op the compiler pass puts in the trainer:
+  ``apply`` calls ``fp8_linear``, the op the compiler pass puts in the trainer:
   activations quantized in 1 x 128 groups, one GEMM (``kernels.bf16_gemm``) of the exactly
   dequantized operands. The dequantized weight (in the BF16 GEMM path's operand dtype) is made
   once per load (``process_weights_after_loading``, which vLLM reruns on every in-place reload),
@@ -25,7 +25,7 @@ import torch
 from torch.nn import Parameter
 
 from ..runtime.format import FP8_DTYPE, GROUP
-from ..runtime.fp8_linear import linear_with_quantized_weight
+from ..runtime.fp8_linear import fp8_linear
 from ..runtime.kernels import gemm_operand_dtype
 from ..runtime.quantize import dequantize
 from ._vllm_compat import plugin_api
@@ -248,10 +248,10 @@ class JetrlLinearMethod(LinearMethodBase):
 
     def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if not self.fp8:
-            return linear_with_quantized_weight(
+            return fp8_linear(
                 x, layer.weight, bias, None, None, fprop="bf16", dgrad="bf16", wgrad="bf16"
             )
         deq = layer.weight_dequantized
-        return linear_with_quantized_weight(
+        return fp8_linear(
             x, deq, bias, layer.weight, layer.weight_scale, deq, fprop="fp8", dgrad="bf16", wgrad="bf16"
         )

@@ -1,7 +1,7 @@
 """Numerics only: the FP8 format and quantizer, GEMM kernels, the recipe-driven linear op and the
 weight cache. Imports torch, torchao and ``recipes``, nothing else of ours."""
 
-from .fp8_linear import fp8_linear, linear_with_quantized_weight
+from .fp8_linear import fp8_linear
 from .quantize import FP8_DTYPE, FP8_MAX, Quantized, dequantize, quantize_blockwise, quantize_groupwise
 
 __all__ = [
@@ -10,7 +10,6 @@ __all__ = [
     "Quantized",
     "dequantize",
     "fp8_linear",
-    "linear_with_quantized_weight",
     "quantize_blockwise",
     "quantize_groupwise",
 ]

@@ -82,47 +82,40 @@ class _RecipeLinear(torch.autograd.Function):
         return dx, dw, db, None, None, None, None, None, None
 
 
-def linear_with_quantized_weight(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    weight_q: torch.Tensor | None,
-    weight_s: torch.Tensor | None,
-    weight_deq: torch.Tensor | None = None,
-    *,
-    fprop: str,
-    dgrad: str,
-    wgrad: str,
-) -> torch.Tensor:
-    """The op the compiler pass inserts: ``weight_q``/``weight_s`` are the cached 128 x 128
-    quantization of ``weight`` (None when no GEMM of the recipe is FP8) and ``weight_deq`` its
-    cached dequantization (in ``kernels.gemm_operand_dtype``) for the emulated fprop (None:
-    dequantize in the graph); gradients flow to ``weight``, the master parameter. Precisions are
-    plain strings so graphs print and cache."""
-    return _RecipeLinear.apply(x, weight, bias, weight_q, weight_s, weight_deq, fprop, dgrad, wgrad)
-
-
 def fp8_linear(
     x: torch.Tensor,
     weight: torch.Tensor,
     bias: torch.Tensor | None = None,
-    recipe: str | Recipe = DEFAULT_RECIPE,
-    weight_quantized: Quantized | None = None,
+    weight_q: torch.Tensor | None = None,
+    weight_s: torch.Tensor | None = None,
+    weight_deq: torch.Tensor | None = None,
+    *,
+    recipe: str | Recipe | None = None,
+    fprop: str | None = None,
+    dgrad: str | None = None,
+    wgrad: str | None = None,
 ) -> torch.Tensor:
-    """``y = x W^T + b`` with the GEMM precisions and backward rules of ``recipe``.
+    """``y = x W^T + b`` with a recipe's GEMM precisions and backward rules: the one op, called by
+    users, by the graphs the compiler pass rewrites, by the eager mode and by the vLLM plugin.
 
-    The weight is quantized here (128 x 128 blocks, from its own dtype) unless its quantization
-    is passed in, as the weight cache of ``unify`` does. Works eagerly and under torch.compile.
+    Precisions come from ``recipe`` (default: the default recipe), or as the pass writes them into
+    graphs, as plain strings ``fprop``, ``dgrad``, ``wgrad`` (all three; graphs print and cache
+    them). ``weight_q``/``weight_s`` are the weight's 128 x 128 quantization (the weight cache's;
+    quantized here from the weight when a GEMM needs it and none is given) and ``weight_deq`` its
+    dequantization in ``kernels.gemm_operand_dtype`` for the emulated fprop (None: dequantize
+    here). Gradients flow to ``weight``, the master parameter. Works eagerly and under torch.compile.
     """
-    r = get_recipe(recipe)
+    explicit = (fprop, dgrad, wgrad)
+    if any(p is not None for p in explicit):
+        if recipe is not None or any(p is None for p in explicit):
+            raise ValueError("fp8_linear: give either recipe=... or all three of fprop=, dgrad=, wgrad=")
+    else:
+        r = get_recipe(recipe if recipe is not None else DEFAULT_RECIPE)
+        fprop, dgrad, wgrad = r.fprop.dtype, r.dgrad.dtype, r.wgrad.dtype
     if x.shape[-1] != weight.shape[-1]:
         raise ValueError(
             f"fp8_linear: x has {x.shape[-1]} features but weight {tuple(weight.shape)} expects {weight.shape[-1]}"
         )
-    needs_q = r.needs_quantized_weight
-    if needs_q and weight_quantized is None:
-        weight_quantized = quantize_blockwise(weight.detach())
-    q, s = weight_quantized if needs_q else (None, None)
-    return linear_with_quantized_weight(
-        x, weight, bias, q, s, fprop=r.fprop.dtype, dgrad=r.dgrad.dtype, wgrad=r.wgrad.dtype
-    )
+    if weight_q is None and (fprop == "fp8" or dgrad == "fp8"):
+        weight_q, weight_s = quantize_blockwise(weight.detach())
+    return _RecipeLinear.apply(x, weight, bias, weight_q, weight_s, weight_deq, fprop, dgrad, wgrad)

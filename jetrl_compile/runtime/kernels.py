@@ -25,7 +25,7 @@ process call the same function, so they always take the same path and stay bitwi
   (exact, because scales are powers of two) and run ``bf16_gemm`` on them, dequantizing straight
   into the path's operand dtype (``gemm_operand_dtype``). Under torch.compile, Inductor fuses
   the dequantize into the loops that feed the matmul. This is not ``torch._scaled_mm``: on CPU that is
-  a scalar reference loop, about 10,000x slower.
+  a scalar reference loop (docs/design.md, pitfall 3).
 - **CUDA sm90** with cuBLAS blockwise scaling (``torch.nn.functional.scaled_mm``, or
   ``torch._scaled_mm`` where torch has no ``F.scaled_mm``): a real FP8 tensor-core GEMM for
   ``b`` in 128 x 128 blocks (fprop, dgrad) or in 1 x 128 groups (wgrad), when K and N are

@@ -184,12 +184,11 @@ def fake_quantize_groupwise(x: torch.Tensor, dtype: torch.dtype = torch.bfloat16
     (``dtype`` is the GEMM's operand dtype, BF16 or FP32; the values are the same).
 
     Called eagerly (the eager trainer, the vLLM plugin), it runs as one Inductor-fused kernel
-    compiled on first use per shape class, instead of some 25 small eager ops per linear (on 2
-    CPU cores: about 7x faster for a 3000 x 576 activation, and most of the plugin's gap to plain
-    vLLM at decode). Bitwise the eager ops: the arithmetic is exact (power-of-two scales, one
-    rounding to e4m3) and the scale rule corrects any ulp of ``log2``; a test and the vLLM
-    identity tests compare the two. Inside a graph being compiled it is the plain ops, for the
-    surrounding graph to fuse. ``JETRL_FUSED_QUANTIZE=0`` turns the fused kernels off.
+    compiled on first use per shape class, instead of some 25 small eager ops per linear (the
+    eager trainer's and the plugin's activation quantize). Bitwise the eager ops: the arithmetic
+    is exact (power-of-two scales, one rounding to e4m3) and the scale rule corrects any ulp of
+    ``log2``; a test and the vLLM identity tests compare the two. Inside a graph being compiled it
+    is the plain ops, for the surrounding graph to fuse. ``JETRL_FUSED_QUANTIZE=0`` turns the fused kernels off.
     """
     return _eager_or_fused(_fake_quantize, x, dtype)
 

@@ -6,7 +6,7 @@ from expecttest import assert_expected_inline
 
 from jetrl_compile.passes import ParamInfo, rewrite_linears
 from jetrl_compile.recipes import get_recipe
-from jetrl_compile.runtime.fp8_linear import linear_with_quantized_weight
+from jetrl_compile.runtime.fp8_linear import fp8_linear
 
 
 def _graph(build):
@@ -38,8 +38,8 @@ def test_rewrites_eligible_linear_and_skips_lm_head():
         gm.code.strip(),
         """\
 def forward(self, x, w1, w2, b, emb, w1_fp8, w1_scale):
-    linear_with_quantized_weight = jetrl_compile_runtime_fp8_linear_linear_with_quantized_weight(x, w1, b, w1_fp8, w1_scale, fprop = 'fp8', dgrad = 'bf16', wgrad = 'bf16');  x = w1 = b = w1_fp8 = w1_scale = None
-    linear_1 = torch._C._nn.linear(linear_with_quantized_weight, w2, None);  linear_with_quantized_weight = w2 = None
+    fp8_linear = jetrl_compile_runtime_fp8_linear_fp8_linear(x, w1, b, w1_fp8, w1_scale, fprop = 'fp8', dgrad = 'bf16', wgrad = 'bf16');  x = w1 = b = w1_fp8 = w1_scale = None
+    linear_1 = torch._C._nn.linear(fp8_linear, w2, None);  fp8_linear = w2 = None
     return linear_1""",  # noqa: E501
     )
     (site,) = result.rewritten
@@ -50,7 +50,7 @@ def test_include_lm_head_rewrites_both():
     gm = _graph(_linear_chain)
     result = rewrite_linears(gm, PARAMS, get_recipe("jetrl").with_options(include_lm_head=True))
     assert result.summary() == "rewrote 2 of 2 linears"
-    calls = [n for n in gm.graph.nodes if n.target is linear_with_quantized_weight]
+    calls = [n for n in gm.graph.nodes if n.target is fp8_linear]
     assert [n.kwargs for n in calls] == [{"fprop": "fp8", "dgrad": "fp8", "wgrad": "fp8"}] * 2
 
 
