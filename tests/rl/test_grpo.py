@@ -291,3 +291,37 @@ def test_evaluate_scores_the_latest_checkpoint_on_held_out_problems(tmp_path):
     assert json.loads((Path(cfg.out) / "eval.json").read_text()) == result
     for (name, a), (_, b) in zip(trained.state_dict().items(), fresh.state_dict().items()):
         assert torch.equal(a, b), name  # the checkpoint's weights, not the fresh model's
+
+
+_KILLED_RUN = """
+import os, signal, sys
+sys.path.insert(0, {root!r})
+from jetrl_compile.rl import loop
+from tests.rl.test_grpo import EarnableTask, _cfg, _run
+from pathlib import Path
+
+save = loop.save_checkpoint
+def save_then_die(out, step, *args, **kwargs):
+    path = save(out, step, *args, **kwargs)
+    if step == 4:
+        os.kill(os.getpid(), signal.SIGKILL)  # no cleanup, no Ctrl-C checkpoint: a hard crash
+    return path
+loop.save_checkpoint = save_then_die
+_run(_cfg(Path({tmp!r}), steps=6, lr=1e-2, save_every=2), task=EarnableTask(seed=0))
+"""
+
+
+def test_a_run_killed_after_a_checkpoint_resumes_bit_for_bit(tmp_path):
+    straight, rows = _run(_cfg(tmp_path / "a", steps=6, lr=1e-2, save_every=2), task=EarnableTask(seed=0))
+    root = Path(__file__).resolve().parents[2]
+    proc = subprocess.run([sys.executable, "-c", _KILLED_RUN.format(root=str(root), tmp=str(tmp_path / "b"))],
+                          cwd=root, capture_output=True, text=True)
+    assert proc.returncode == -9, proc.stderr[-2000:]
+    assert latest_checkpoint(tmp_path / "b" / "run").name == "step_000004.pt"
+    resumed, resumed_rows = _run(_cfg(tmp_path / "b", steps=6, lr=1e-2, save_every=2, resume=True),
+                                 task=EarnableTask(seed=0), seed=123)
+    assert [r["step"] for r in resumed_rows] == [5, 6]
+    for (name, a), (_, b) in zip(straight.state_dict().items(), resumed.state_dict().items()):
+        assert torch.equal(a, b), name
+    lines = (tmp_path / "b" / "run" / "metrics.jsonl").read_text().splitlines()
+    assert _untimed(json.loads(line) for line in lines) == _untimed(rows)
