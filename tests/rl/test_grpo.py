@@ -199,6 +199,25 @@ def test_engine_error_is_retried_once_then_stops_with_a_checkpoint(tmp_path, mon
     assert latest_checkpoint(cfg.out).name == "step_000000.pt"
 
 
+class InterruptedEngine(FlakyEngine):
+    """Ctrl-C arrives during the rollout of the second step."""
+
+    def generate(self, *a, **kw):
+        self.failures += 1
+        if self.failures == 2:
+            raise KeyboardInterrupt
+        return self.engine.generate(*a, **kw)
+
+
+def test_ctrl_c_writes_a_checkpoint_of_the_last_completed_step(tmp_path, monkeypatch):
+    real = loop.make_engine
+    monkeypatch.setattr(loop, "make_engine", lambda *a, **kw: InterruptedEngine(real(*a, **kw), failures=0))
+    cfg = _cfg(tmp_path, steps=3, save_every=10)
+    with pytest.raises(SystemExit, match="interrupted: checkpoint of step 1 written to .*; continue with --resume"):
+        _run(cfg)
+    assert latest_checkpoint(cfg.out).name == "step_000001.pt"
+
+
 def test_resume_refuses_another_runs_or_a_corrupt_checkpoint(tmp_path):
     cfg = _cfg(tmp_path, steps=1)
     _run(cfg)
