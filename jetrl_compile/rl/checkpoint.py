@@ -1,9 +1,9 @@
 """Checkpoints that let ``--resume`` continue a GRPO run bit for bit.
 
-One file holds everything, as plain data (loaded with ``weights_only=True``): the next step
-depends on: FP32 master weights, optimizer state, the step, the task's data position and RNG
-state, torch's RNG state, and the run-defining settings (a checkpoint of another run is refused,
-naming the setting that differs). Files are written to a temporary name and renamed, so a crash
+One file holds everything the next step depends on, as plain data (loaded with
+``weights_only=True``): FP32 master weights, optimizer state, the step, the task's data position
+and RNG state, torch's RNG state, and the run-defining settings (a checkpoint of another run is
+refused, naming the setting that differs). Files are written to a temporary name and renamed, so a crash
 mid-write leaves the previous checkpoint intact; only the latest is kept (an FP32 model plus
 AdamW state is 12 bytes per parameter).
 """

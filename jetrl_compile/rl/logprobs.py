@@ -39,8 +39,8 @@ def group_logprobs(
     if any(not p for p in prompts):
         raise ValueError("group_logprobs: an empty prompt (the first completion token needs a context)")
     device = next(model.parameters()).device
-    ids, positions, segment, prompt_width = _pack(prompts, groups, pad_token_id)
     _check_context_length(model, prompts, groups)
+    ids, positions, segment, prompt_width = _pack(prompts, groups, pad_token_id)
     keep = torch.arange(prompt_width - 1, ids.shape[1] - 1)  # last prompt token .. last completion token
     logits = model(
         input_ids=ids.to(device), attention_mask=_attention_mask(model, segment).to(device),
@@ -50,24 +50,27 @@ def group_logprobs(
 
     # kept position 0 (the last prompt token) predicts every completion's first token; a token at
     # row position prompt_width + o + t predicts the token after it, at offset o + t + 1
+    spans = [(row, j, offset, c) for row, group in enumerate(groups) for j, offset, c in _offsets(group)]
     first = torch.zeros((len(groups), max(map(len, groups))), dtype=torch.long)
     later = torch.zeros(logits.shape[:2], dtype=torch.long)
-    for row, group in enumerate(groups):
-        offset = 0
-        for j, c in enumerate(group):
-            if c:
-                first[row, j] = c[0]
-                later[row, offset + 1 : offset + len(c)] = torch.tensor(c[1:], dtype=torch.long)
-            offset += len(c)
+    for row, j, offset, c in spans:
+        if c:
+            first[row, j] = c[0]
+            later[row, offset + 1 : offset + len(c)] = torch.tensor(c[1:], dtype=torch.long)
     first_lp = logprobs[:, 0].gather(-1, first.to(device))
     later_lp = logprobs.gather(-1, later.to(device).unsqueeze(-1)).squeeze(-1)
-    out = []
-    for row, group in enumerate(groups):
-        offset = 0
-        for j, c in enumerate(group):
-            out.append(torch.cat([first_lp[row, j : j + 1], later_lp[row, offset + 1 : offset + len(c)]])[: len(c)])
-            offset += len(c)
-    return out
+    return [
+        torch.cat([first_lp[row, j : j + 1], later_lp[row, offset + 1 : offset + len(c)]])[: len(c)]
+        for row, j, offset, c in spans
+    ]
+
+
+def _offsets(group: list[list[int]]):
+    """``(j, offset, c)`` for each completion of a group: where it starts after the prompt."""
+    offset = 0
+    for j, c in enumerate(group):
+        yield j, offset, c
+        offset += len(c)
 
 
 def token_logprobs(
@@ -93,12 +96,11 @@ def _pack(prompts, groups, pad_token_id):
         ids[row, start:prompt_width] = torch.tensor(prompt, dtype=torch.long)
         positions[row, start:prompt_width] = torch.arange(len(prompt))
         segment[row, start:prompt_width] = 0
-        at = prompt_width
-        for j, c in enumerate(group):
+        for j, offset, c in _offsets(group):
+            at = prompt_width + offset
             ids[row, at : at + len(c)] = torch.tensor(c, dtype=torch.long)
             positions[row, at : at + len(c)] = torch.arange(len(prompt), len(prompt) + len(c))
             segment[row, at : at + len(c)] = j + 1
-            at += len(c)
     return ids, positions, segment, prompt_width
 
 

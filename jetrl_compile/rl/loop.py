@@ -99,13 +99,14 @@ def policy_update(model, optimizer, prompts, groups, advantages: torch.Tensor, c
     loss_sum, clipped, new_all, old_all = 0.0, 0, [], []
     for start in range(0, len(prompts), per_micro_batch):
         mb = range(start, min(start + per_micro_batch, len(prompts)))
-        mb_prompts = [prompts[i] for i in mb]
-        mb_groups = [[c.token_ids for c in groups[i] if c.token_ids] for i in mb]
-        if not any(mb_groups):
+        kept = [[(j, c) for j, c in enumerate(groups[i]) if c.token_ids] for i in mb]  # empty ones add nothing
+        if not any(kept):
             continue
+        mb_prompts = [prompts[i] for i in mb]
+        mb_groups = [[c.token_ids for _, c in row] for row in kept]
         new = group_logprobs(model, mb_prompts, mb_groups, pad_token_id=pad_token_id)
-        old = [torch.tensor(c.logprobs) for i in mb for c in groups[i] if c.token_ids]
-        adv = torch.stack([advantages[i, j] for i in mb for j, c in enumerate(groups[i]) if c.token_ids])
+        old = [torch.tensor(c.logprobs) for row in kept for _, c in row]
+        adv = torch.stack([advantages[i, j] for i, row in zip(mb, kept) for j, _ in row])
         ref = None
         if ref_model is not None and cfg.beta:
             with torch.no_grad():

@@ -135,7 +135,7 @@ class VllmEngine(RolloutEngine):
                 dtype=str(self.dtype).removeprefix("torch."),
                 enforce_eager=enforce_eager,
                 max_model_len=max_model_len,
-                max_num_batched_tokens=max(max_num_batched_tokens, max_model_len),
+                max_num_batched_tokens=self.max_num_batched_tokens,
                 seed=seed,
                 logprobs_mode="raw_logprobs",
             )

@@ -34,12 +34,12 @@ from .quantize import Quantized, fused_quantize_groupwise, quantize_blockwise
 
 BF16 = torch.bfloat16
 
-# Inductor CPU pitfall (docs/design.md, pitfall 2): in an FP8-backward graph, the quantize of dy (groups along
-# N, for dgrad) and of dy^T (groups along M, for wgrad) read the same buffer in two loop orders;
-# fused horizontally, the loop splitter asserts (`try_loop_split`, var_ranges mismatch). Keeping
-# horizontal fusion off in those backward graphs compiles them; vertical fusion (quantize into
-# the producer and the dequantize into the matmul feed) is unaffected. Pass the same options to
-# torch.compile when compiling fp8_linear with an FP8 backward yourself.
+# Inductor CPU pitfall (docs/design.md, pitfall 2): in an FP8-backward graph, the quantize of dy
+# (groups along N, for dgrad) and of dy^T (groups along M, for wgrad) read the same buffer in two
+# loop orders; fused horizontally, the loop splitter asserts (`try_loop_split`, var_ranges
+# mismatch). Keeping horizontal fusion off in those backward graphs compiles them; vertical fusion
+# (quantize into the producer and the dequantize into the matmul feed) is unaffected. Pass the same
+# options to torch.compile when compiling fp8_linear with an FP8 backward yourself.
 FP8_BACKWARD_INDUCTOR_OPTIONS = {"cpp.max_horizontal_fusion_size": 1}
 
 

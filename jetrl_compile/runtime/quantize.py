@@ -188,7 +188,8 @@ def fake_quantize_groupwise(x: torch.Tensor, dtype: torch.dtype = torch.bfloat16
     eager trainer's and the plugin's activation quantize). Bitwise the eager ops: the arithmetic
     is exact (power-of-two scales, one rounding to e4m3) and the scale rule corrects any ulp of
     ``log2``; a test and the vLLM identity tests compare the two. Inside a graph being compiled it
-    is the plain ops, for the surrounding graph to fuse. ``JETRL_FUSED_QUANTIZE=0`` turns the fused kernels off.
+    is the plain ops, for the surrounding graph to fuse. ``JETRL_FUSED_QUANTIZE=0`` turns the fused
+    kernels off.
     """
     return _eager_or_fused(_fake_quantize, x, dtype)
 
