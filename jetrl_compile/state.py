@@ -19,6 +19,8 @@ class UnifiedState:
     cache: WeightCache = field(default_factory=WeightCache)
     graphs: list = field(default_factory=list)  # passes.backend.GraphRecord, one per compile
     patched: list[nn.Module] = field(default_factory=list)
+    exact: bool = False  # exact mode (jetrl_compile.exact): invariant numerics end to end
+    exact_undo: list = field(default_factory=list)
 
     @property
     def compiles(self) -> int:

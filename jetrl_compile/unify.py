@@ -33,8 +33,9 @@ def unify(
     include_lm_head: bool = False,
     dynamic: bool | None = None,
     fullgraph: bool = False,
-    mode: str = "compile",
+    mode: str | None = None,
     compiler: str = "inductor",
+    exact: bool = False,
 ) -> nn.Module:
     """Make ``model``'s linear GEMMs follow ``recipe``; returns the same model object.
 
@@ -42,25 +43,39 @@ def unify(
     - ``include_lm_head``: quantize ``lm_head`` too (off by default: logprobs are what RL optimises).
     - ``dynamic``: ``True`` compiles for variable sequence lengths from the first call (no
       recompile per length); ``None`` lets Dynamo decide after the first new shape.
-    - ``mode="eager"``: no compile; each eligible ``nn.Linear`` calls the same op eagerly (slow;
-      for debugging). ``restore(model)`` undoes either mode.
+    - ``mode="eager"``: no compile; each eligible ``nn.Linear`` calls the same op eagerly.
+      ``restore(model)`` undoes either mode. Default: ``"compile"``, or ``"eager"`` when exact.
+    - ``exact=True``: exact mode (``jetrl_compile.exact``): every op from the embedding to the
+      logits runs invariant numerics, so the logprob a token gets while the model decodes it is
+      bitwise the one the trainer recomputes. Eager only for now (docs/design.md, section 8).
     - ``compiler="aot_eager"``: the same pass and AOTAutograd graphs, run without Inductor (fast
       to compile; for debugging numerics and for tests that only inspect graphs).
     """
     r = get_recipe(recipe).with_options(include_lm_head=include_lm_head, skip=skip)
     _check_model(model)
+    mode = mode if mode is not None else ("eager" if exact else "compile")
+    if exact and mode != "eager":
+        raise ValueError(
+            "unify(exact=True) runs eagerly (mode='eager'): Inductor's fused kernels do not yet keep the "
+            "invariant numerics (docs/design.md, section 8)"
+        )
     if mode not in MODES:
         raise ValueError(f"unify mode {mode!r} is unknown; choose one of {', '.join(MODES)}")
     if compiler not in COMPILERS:
         raise ValueError(f"unify compiler {compiler!r} is unknown; choose one of {', '.join(COMPILERS)}")
-    state = UnifiedState(recipe=r, mode=mode)
+    state = UnifiedState(recipe=r, mode=mode, exact=bool(exact))
     if mode == "compile":
         from .passes.backend import JetrlBackend
 
         _make_room_for_another_compiled_model()
         model.compile(backend=JetrlBackend(model, state, compiler), dynamic=dynamic, fullgraph=fullgraph)
     else:
-        state.patched = _patch_linears_eager(model, state.recipe, state.cache)
+        state.patched = _patch_linears_eager(model, state.recipe, state.cache, exact=state.exact)
+    if state.exact:
+        from . import exact as exact_mode
+
+        unquantized = [m for n, m in model.named_modules() if isinstance(m, nn.Linear) and r.skip_reason(n) is not None]
+        state.exact_undo = exact_mode.patch(model, unquantized, state.cache)
     setattr(model, STATE_ATTR, state)
     return model
 
@@ -96,6 +111,10 @@ def restore(model: nn.Module) -> nn.Module:
         _give_back_room()
     for module in state.patched:
         del module.forward
+    if state.exact:
+        from . import exact as exact_mode
+
+        exact_mode.unpatch(state.exact_undo)
     state.cache.clear()
     delattr(model, STATE_ATTR)
     return model
@@ -137,9 +156,12 @@ def _check_model(model) -> None:
             )
 
 
-def _patch_linears_eager(model: nn.Module, recipe: Recipe, cache: WeightCache) -> list[nn.Module]:
+def _patch_linears_eager(
+    model: nn.Module, recipe: Recipe, cache: WeightCache, *, exact: bool = False
+) -> list[nn.Module]:
     """Each eligible nn.Linear calls the recipe op directly, no compile; returns the patched modules."""
     needs_q = recipe.needs_quantized_weight
+    fixed_kind = "fp8" if recipe.fprop.is_fp8 else "bf16"
     patched = []
     for name, module in model.named_modules():
         if not isinstance(module, nn.Linear) or recipe.skip_reason(name) is not None:
@@ -148,6 +170,11 @@ def _patch_linears_eager(model: nn.Module, recipe: Recipe, cache: WeightCache) -
         def forward(x, module=module):
             q, s = cache.get(module.weight) if needs_q else (None, None)
             deq = None
+            if exact:
+                return fp8_linear(
+                    x, module.weight, module.bias, q, s, None, fprop=recipe.fprop.dtype, dgrad=recipe.dgrad.dtype,
+                    wgrad=recipe.wgrad.dtype, exact=cache.get_fixed(module.weight, fixed_kind),
+                )
             if recipe.fprop.is_fp8 and uses_emulation(module.weight.device):
                 deq = cache.get_dequantized(module.weight, gemm_operand_dtype(module.weight.device))
             return fp8_linear(
@@ -172,12 +199,13 @@ def rollout_forward(model: nn.Module):
         yield model
         return
     compiled, model._compiled_call_impl = model._compiled_call_impl, None
-    sampling = _patch_linears_eager(model, dataclasses.replace(state.recipe, fprop=state.recipe.rollout), state.cache)
+    rollout_recipe = dataclasses.replace(state.recipe, fprop=state.recipe.rollout)
+    sampling = _patch_linears_eager(model, rollout_recipe, state.cache, exact=state.exact)
     try:
         yield model
     finally:
         for module in sampling:
             del module.forward
         if state.mode == "eager":
-            state.patched = _patch_linears_eager(model, state.recipe, state.cache)
+            state.patched = _patch_linears_eager(model, state.recipe, state.cache, exact=state.exact)
         model._compiled_call_impl = compiled

@@ -20,7 +20,9 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-_MASKS = {"sdpa": "bool", "eager": "additive"}
+from ..exact import ATTN_IMPLEMENTATION, logprobs_of
+
+_MASKS = {"sdpa": "bool", "eager": "additive", ATTN_IMPLEMENTATION: "bool"}
 
 
 def group_logprobs(
@@ -46,7 +48,6 @@ def group_logprobs(
         input_ids=ids.to(device), attention_mask=_attention_mask(model, segment).to(device),
         position_ids=positions.to(device), logits_to_keep=keep.to(device), use_cache=False,
     ).logits  # (rows, len(keep), V): kept position k is row position prompt_width - 1 + k
-    logprobs = logits.float().log_softmax(-1)
 
     # kept position 0 (the last prompt token) predicts every completion's first token; a token at
     # row position prompt_width + o + t predicts the token after it, at offset o + t + 1
@@ -57,8 +58,8 @@ def group_logprobs(
         if c:
             first[row, j] = c[0]
             later[row, offset + 1 : offset + len(c)] = torch.tensor(c[1:], dtype=torch.long)
-    first_lp = logprobs[:, 0].gather(-1, first.to(device))
-    later_lp = logprobs.gather(-1, later.to(device).unsqueeze(-1)).squeeze(-1)
+    first_lp = logprobs_of(model, logits[:, :1].expand(-1, first.shape[1], -1), first.to(device))
+    later_lp = logprobs_of(model, logits, later.to(device))
     return [
         torch.cat([first_lp[row, j : j + 1], later_lp[row, offset + 1 : offset + len(c)]])[: len(c)]
         for row, j, offset, c in spans

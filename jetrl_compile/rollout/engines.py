@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
+from ..exact import logprobs_of
 from ..recipes import Recipe
 from ..state import is_unified
 from ..unify import rollout_forward
@@ -255,7 +256,7 @@ class HfEngine(RolloutEngine):
             )
         tokens = out.sequences[:, width:].cpu()
         logits = torch.stack(out.logits, dim=1).float().cpu()  # (B*n, T, V): raw, before temperature
-        logprobs = logits.log_softmax(-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+        logprobs = logprobs_of(model, logits, tokens)
         result = []
         for i in range(len(prompts)):
             group = []

@@ -29,8 +29,9 @@ from __future__ import annotations
 import torch
 
 from ..recipes import DEFAULT_RECIPE, Recipe, get_recipe
+from . import invariant
 from .kernels import bf16_gemm, fp8_gemm_quantizing
-from .quantize import Quantized, fused_quantize_groupwise, quantize_blockwise
+from .quantize import Quantized, dequantize, fake_quantize_groupwise, fused_quantize_groupwise, quantize_blockwise
 
 BF16 = torch.bfloat16
 
@@ -45,10 +46,12 @@ FP8_BACKWARD_INDUCTOR_OPTIONS = {"cpp.max_horizontal_fusion_size": 1}
 
 class _RecipeLinear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, weight_q, weight_s, weight_deq, fprop: str, dgrad: str, wgrad: str):
+    def forward(ctx, x, weight, bias, weight_q, weight_s, weight_deq, fprop: str, dgrad: str, wgrad: str, exact):
         x2 = x.reshape(-1, x.shape[-1]).to(BF16)
         b = bias.to(BF16) if bias is not None else None
-        if fprop == "fp8":
+        if exact is not None:
+            y = _exact_fprop(x2, weight, weight_q, weight_s, b, fprop, exact)
+        elif fprop == "fp8":
             y = fp8_gemm_quantizing(x2, Quantized(weight_q, weight_s), b, b_dequantized=weight_deq)
         else:
             y = bf16_gemm(x2, weight.to(BF16), b)
@@ -79,7 +82,21 @@ class _RecipeLinear(torch.autograd.Function):
             dw = dw.to(weight.dtype)
         if ctx.bias_dtype is not None and ctx.needs_input_grad[2]:
             db = dy.reshape(-1, dy.shape[-1]).float().sum(0).to(ctx.bias_dtype)
-        return dx, dw, db, None, None, None, None, None, None
+        return dx, dw, db, None, None, None, None, None, None, None
+
+
+def _exact_fprop(x2, weight, weight_q, weight_s, bias, fprop: str, weight_fixed) -> torch.Tensor:
+    """The fprop GEMM of exact mode: the same operands (FP8-quantized or BF16), multiplied by
+    ``invariant.gemm`` (exact per 128-block, blocks in order), rounded once to BF16."""
+    if fprop == "fp8":
+        a = fake_quantize_groupwise(x2, torch.float32)
+        if not isinstance(weight_fixed, invariant.FixedPoint):
+            weight_fixed = invariant.FixedPoint(dequantize(weight_q, weight_s, torch.float32))
+    else:
+        a = x2
+        if not isinstance(weight_fixed, invariant.FixedPoint):
+            weight_fixed = invariant.FixedPoint(weight.detach().to(BF16))
+    return invariant.gemm(a, weight_fixed, bias).to(BF16)
 
 
 def fp8_linear(
@@ -94,6 +111,7 @@ def fp8_linear(
     fprop: str | None = None,
     dgrad: str | None = None,
     wgrad: str | None = None,
+    exact: bool | invariant.FixedPoint = False,
 ) -> torch.Tensor:
     """``y = x W^T + b`` with a recipe's GEMM precisions and backward rules: the one op, called by
     users, by the graphs the compiler pass rewrites, by the eager mode and by the vLLM plugin.
@@ -104,6 +122,10 @@ def fp8_linear(
     quantized here from the weight when a GEMM needs it and none is given) and ``weight_deq`` its
     dequantization in ``kernels.gemm_operand_dtype`` for the emulated fprop (None: dequantize
     here). Gradients flow to ``weight``, the master parameter. Works eagerly and under torch.compile.
+
+    ``exact``: run the fprop GEMM with ``invariant.gemm`` (exact mode, eager only), True or the
+    weight's ``FixedPoint`` operand made earlier (the weight cache's ``get_fixed``). Backward rules
+    are the recipe's either way.
     """
     explicit = (fprop, dgrad, wgrad)
     if any(p is not None for p in explicit):
@@ -118,4 +140,7 @@ def fp8_linear(
         )
     if weight_q is None and (fprop == "fp8" or dgrad == "fp8"):
         weight_q, weight_s = quantize_blockwise(weight.detach())
-    return _RecipeLinear.apply(x, weight, bias, weight_q, weight_s, weight_deq, fprop, dgrad, wgrad)
+    if exact is not False and weight_q is None and fprop == "fp8":
+        weight_q, weight_s = quantize_blockwise(weight.detach())
+    exact = None if exact is False else exact
+    return _RecipeLinear.apply(x, weight, bias, weight_q, weight_s, weight_deq, fprop, dgrad, wgrad, exact)

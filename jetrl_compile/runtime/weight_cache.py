@@ -14,7 +14,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .invariant import FixedPoint
 from .quantize import Quantized, dequantize, quantize_blockwise
+
+_FIXED_KINDS = ("fp8", "bf16", "raw")
 
 
 @dataclass
@@ -34,6 +37,7 @@ class WeightCache:
 
     def __init__(self):
         self._entries: dict[int, _Entry] = {}
+        self._fixed: dict[tuple[int, str], tuple[weakref.ref, tuple, FixedPoint]] = {}
         self.quantizations = 0  # how many times a weight was (re)quantized: for tests and logs
 
     def get(self, param: torch.Tensor) -> Quantized:
@@ -49,6 +53,24 @@ class WeightCache:
             entry.dequantized[dtype] = dequantize(*entry.quantized, dtype)
         return entry.dequantized[dtype]
 
+    def get_fixed(self, param: torch.Tensor, kind: str) -> FixedPoint:
+        """The weight as exact mode's GEMM operand (``invariant.FixedPoint``), made once per
+        version of ``param``: of its FP8 quantization dequantized (``"fp8"``), of its BF16 copy
+        (``"bf16"``) or of the parameter itself (``"raw"``, for linears left unquantized)."""
+        if kind not in _FIXED_KINDS:
+            raise ValueError(f"fixed-point kind {kind!r} is unknown; choose one of {', '.join(_FIXED_KINDS)}")
+        key, stamp = (id(param), kind), _stamp(param)
+        held = self._fixed.get(key)
+        if held is None or held[0]() is not param or held[1] != stamp:
+            with torch.no_grad():
+                if kind == "fp8":
+                    source = dequantize(*self.get(param), torch.float32)
+                else:
+                    source = param.detach().to(torch.bfloat16) if kind == "bf16" else param.detach()
+                held = (weakref.ref(param), stamp, FixedPoint(source))
+            self._fixed[key] = held
+        return held[2]
+
     def _entry(self, param: torch.Tensor) -> _Entry:
         entry = self._entries.get(id(param))
         stamp = _stamp(param)
@@ -61,14 +83,15 @@ class WeightCache:
         return entry
 
     def nbytes(self) -> int:
-        """Bytes held: FP8 payloads, float32 scales and any dequantized copies."""
+        """Bytes held: FP8 payloads, float32 scales, dequantized copies and exact-mode operands."""
         return sum(
             e.quantized.data.nbytes + e.quantized.scale.nbytes + sum(d.nbytes for d in e.dequantized.values())
             for e in self._entries.values()
-        )
+        ) + sum(fixed.nbytes for _, _, fixed in self._fixed.values())
 
     def clear(self) -> None:
         self._entries.clear()
+        self._fixed.clear()
 
     def __len__(self) -> int:
         return len(self._entries)

@@ -1,0 +1,346 @@
+"""Invariant numerics for exact mode (docs/design.md, section 8): each token's row is computed the
+same way whatever the batch, the number of rows, the padding, the packing and whether it runs as
+decode against a KV cache or inside a full sequence.
+
+Library kernels do not promise that. A BLAS picks its kernel, its blocking and its reduction order
+from the matrix shapes (an FP32 ``x @ W.T`` row differs between M = 1 and M = 8 rows); an attention
+kernel's reduction over keys depends on how many queries and keys it sees; and ATen's elementwise
+loops compute the tail of a vector loop with the scalar function, so ``torch.exp`` of one value can
+differ by an ulp with its position in a tensor. Exact mode therefore uses only operations whose
+result per element is fixed by IEEE 754 whatever the kernel (``+ - * /``, ``sqrt``, ``round``,
+``max``, comparisons, bit casts, conversions) and builds everything else from them:
+
+- **Sums** (``tree_sum``): zero-padded to blocks of 64, each block summed as a fixed pairwise
+  tree, the block sums summed the same way, level by level. The result depends only on the
+  values in order: trailing zeros (padding, masked keys) leave it bitwise unchanged.
+- **exp / log** (``exp``, ``log``): a float64 polynomial of ``+ - *`` with the power of two made
+  from bits, rounded once to float32. Not torch's ``exp``, whose vector and scalar paths differ.
+- **GEMMs** (``gemm``): exact, so that their reduction order cannot matter. Each operand row is
+  cut into blocks of 128 along K and each block written as integers times a power of two (22 bits
+  below the block's largest element); a block's dot product is then a sum of at most 128 integers
+  below 2**44, exact in float64 in any order, whatever BLAS kernel computes it. The blocks are
+  scaled back and added in order. FP8 operands (4-bit significands, power-of-two scales) and BF16
+  operands within 2**14 of their block's largest element are represented exactly; smaller BF16
+  values and FP32 values are rounded to that fixed-point grid first (22 bits, finer than BF16).
+- **Attention** (``attention``): scores as ``tree_sum`` over the head dim of exact float32
+  products, then per query the visible keys are gathered in their logical order (the mask's order
+  with masked keys removed), so a token sees the same sequence of keys, in the same positions of
+  every tree, under left padding, packing or decode.
+
+Backward rules are the usual ones (gradients need not be invariant): each function here is an
+autograd Function whose backward recomputes the textbook formula with torch's kernels.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+SUM_BLOCK = 64
+GEMM_BLOCK = 128
+FIXED_POINT_BITS = 22  # |int| <= 2**22, products <= 2**44, 128 of them <= 2**51 < 2**53: exact in float64
+
+_LOG2E = 1.4426950408889634
+_LN2 = 0.6931471805599453
+_SQRT2 = 1.4142135623730951
+# exp(r) for |r| <= ln(2) / 2: Taylor terms to r**11 (truncation below 1e-14 relative)
+_EXP_COEFFS = [1.0 / math.factorial(k) for k in range(12)]
+# log(m) = 2 atanh(f), f = (m - 1) / (m + 1), |f| <= 0.172: odd terms to f**17
+_ATANH_COEFFS = [1.0 / (2 * k + 1) for k in range(9)]
+
+
+def tree_sum(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """Sum over ``dim`` in a fixed order: blocks of 64 (zero-padded) summed as pairwise trees,
+    then the block sums the same way until one value is left. Invariant to trailing zeros."""
+    x = x.movedim(dim, -1)
+    if x.shape[-1] == 0:
+        return x.sum(-1)
+    while True:
+        pad = -x.shape[-1] % SUM_BLOCK
+        if pad:
+            x = F.pad(x, (0, pad))
+        x = x.unflatten(-1, (-1, SUM_BLOCK))
+        width = SUM_BLOCK
+        while width > 1:
+            width //= 2
+            x = x[..., :width] + x[..., width:]
+        x = x.squeeze(-1)
+        if x.shape[-1] == 1:
+            return x.squeeze(-1)
+
+
+def _power_of_two(n: torch.Tensor) -> torch.Tensor:
+    """``2.0 ** n`` in float64 for integer-valued float64 ``n`` in [-1022, 1023], built from bits."""
+    return ((n.to(torch.int64) + 1023) << 52).view(torch.float64)
+
+
+def _exp64(x: torch.Tensor) -> torch.Tensor:
+    """exp of float64 ``x`` (clamped to float32's range) as a float64 polynomial, ~1e-14 relative."""
+    x = x.clamp(-104.0, 89.0)  # float32 exp is 0 below about -103.97 and inf above 88.73
+    n = torch.round(x * _LOG2E)
+    r = x - n * _LN2
+    p = torch.full_like(r, _EXP_COEFFS[-1])
+    for c in reversed(_EXP_COEFFS[:-1]):
+        p = p * r + c
+    return p * _power_of_two(torch.nan_to_num(n))
+
+
+class _Exp(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        with torch.no_grad():
+            y = _exp64(x.double()).float()
+        ctx.save_for_backward(y)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        (y,) = ctx.saved_tensors
+        return dy * y
+
+
+def exp(x: torch.Tensor) -> torch.Tensor:
+    """``exp(x)`` in float32, the same bits for a value wherever it sits in whatever tensor
+    (-inf gives 0, NaN stays NaN). Within an ulp of torch.exp; almost always correctly rounded."""
+    return _Exp.apply(x)
+
+
+def log(x: torch.Tensor) -> torch.Tensor:
+    """``log(x)`` in float32 for positive float ``x`` (0 gives -inf, negative or NaN give NaN),
+    invariant like ``exp``. Not differentiable (exact mode takes it of softmax denominators)."""
+    with torch.no_grad():
+        x64 = x.double()
+        bits = x64.abs().view(torch.int64)
+        e = ((bits >> 52) - 1023).double()
+        m = ((bits & ((1 << 52) - 1)) | (1023 << 52)).view(torch.float64)  # [1, 2)
+        big = m > _SQRT2
+        m = torch.where(big, m * 0.5, m)
+        e = torch.where(big, e + 1, e)
+        f = (m - 1.0) / (m + 1.0)
+        f2 = f * f
+        p = torch.full_like(f, _ATANH_COEFFS[-1])
+        for c in reversed(_ATANH_COEFFS[:-1]):
+            p = p * f2 + c
+        y = (e * _LN2 + 2.0 * f * p).float()
+        normal = (x64 >= 2.0**-1022) & torch.isfinite(x64)
+        special = torch.where(x64 == 0, -math.inf, torch.where(x64 == math.inf, math.inf, math.nan))
+        return torch.where(normal, y, special.float())
+
+
+# --- GEMM ----------------------------------------------------------------------------------------
+
+
+class FixedPoint:
+    """An operand ``(R, K)`` rounded to block fixed point and kept in float64, ready for ``gemm``:
+    ``values`` is ``(nb, R, 128)`` (zero-padded along K); in each 128-block of a row every value is
+    an integer below 2**22 times the same power of two."""
+
+    __slots__ = ("values", "k")
+
+    def __init__(self, t: torch.Tensor):
+        t = t.detach().to(torch.float64)
+        self.k = t.shape[-1]
+        nb = -(-self.k // GEMM_BLOCK)
+        t = F.pad(t, (0, nb * GEMM_BLOCK - self.k)).unflatten(-1, (nb, GEMM_BLOCK))
+        exponent = torch.frexp(t.abs().amax(-1, keepdim=True)).exponent.double()  # amax < 2**exponent
+        scale = _power_of_two(exponent - FIXED_POINT_BITS)  # a zero block gets 2**-22: any scale works
+        self.values = (torch.round(t / scale) * scale).permute(1, 0, 2).contiguous()
+
+    @property
+    def rows(self) -> int:
+        return self.values.shape[1]
+
+    @property
+    def nbytes(self) -> int:
+        return self.values.nbytes
+
+
+_GEMM_COLUMNS = 4096  # output columns per pass: keeps the float64 partial sums in cache
+
+
+def gemm(a: torch.Tensor | FixedPoint, b: torch.Tensor | FixedPoint, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``a @ b^T (+ bias)`` for ``a`` (M, K) and ``b`` (N, K), in float64 and invariant: every
+    output element depends only on its row of ``a`` and its row of ``b`` (module docstring).
+
+    Within a 128-block, all products of an output element share one power of two (the two rows'
+    block scales), so the block's dot product is a sum of integers below 2**51: exact in float64,
+    whatever order the BLAS kernel sums in. The block results are added in order of K, then the
+    bias. The caller rounds the float64 result once to its output dtype.
+    """
+    a = a if isinstance(a, FixedPoint) else FixedPoint(a)
+    b = b if isinstance(b, FixedPoint) else FixedPoint(b)
+    if a.k != b.k:
+        raise ValueError(f"invariant gemm: a has K={a.k} but b has K={b.k}")
+    out = a.values.new_empty(a.rows, b.rows)
+    for n0 in range(0, b.rows, _GEMM_COLUMNS):
+        acc, block = out[:, n0 : n0 + _GEMM_COLUMNS], None
+        for blk in range(a.values.shape[0]):
+            b_blk = b.values[blk, n0 : n0 + _GEMM_COLUMNS].t()
+            if blk == 0:
+                torch.mm(a.values[0], b_blk, out=acc)
+                continue
+            block = torch.mm(a.values[blk], b_blk, out=block)  # exact, added after: never C += A B
+            acc.add_(block)
+    if bias is not None:
+        out = out + bias.double()
+    return out
+
+
+class _Linear(torch.autograd.Function):
+    """Invariant forward in the input's dtype; F.linear's backward in the same dtypes."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, weight_fixed):
+        y = gemm(x.reshape(-1, x.shape[-1]), weight if weight_fixed is None else weight_fixed, bias)
+        ctx.save_for_backward(x, weight)
+        ctx.has_bias = bias is not None
+        return y.to(x.dtype).reshape(*x.shape[:-1], weight.shape[0])
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight = ctx.saved_tensors
+        dy2, x2 = dy.reshape(-1, dy.shape[-1]), x.reshape(-1, x.shape[-1])
+        dx = (dy.to(weight.dtype) @ weight).to(x.dtype) if ctx.needs_input_grad[0] else None
+        dw = (dy2.t().to(x.dtype) @ x2).to(weight.dtype) if ctx.needs_input_grad[1] else None
+        db = dy2.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        return dx, dw, db, None
+
+
+def linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, weight_fixed: FixedPoint | None = None
+) -> torch.Tensor:
+    """``x W^T + b`` with the invariant ``gemm``, in ``x``'s dtype (for linears exact mode keeps
+    unquantized, such as ``lm_head``). ``weight_fixed``: ``FixedPoint(weight)`` made earlier."""
+    return _Linear.apply(x, weight, bias, weight_fixed)
+
+
+# --- norms, activations, attention, logprobs -----------------------------------------------------
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """LlamaRMSNorm's function (float32 statistics, weight times the input-dtype result) with a
+    ``tree_sum`` for the mean of squares. Differentiable through plain ops."""
+    h = x.float()
+    variance = tree_sum(h * h) / h.shape[-1]
+    h = h * (1.0 / torch.sqrt(variance + eps)).unsqueeze(-1)
+    return weight * h.to(x.dtype)
+
+
+class _SiLU(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        xf = x.float()
+        with torch.no_grad():
+            y = (xf / (1.0 + exp(-xf))).to(x.dtype)
+        ctx.save_for_backward(x)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        (x,) = ctx.saved_tensors
+        s = torch.sigmoid(x.float())
+        return (dy.float() * s * (1 + x.float() * (1 - s))).to(x.dtype)
+
+
+def silu(x: torch.Tensor) -> torch.Tensor:
+    """``x * sigmoid(x)`` as ``x / (1 + exp(-x))`` with the invariant ``exp``."""
+    return _SiLU.apply(x)
+
+
+def _visible_in_order(visible: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """For a (B, Tq, Tk) bool mask: the storage index of each query's j-th visible key, (B, Tq,
+    Kmax), and whether slot j holds one (False past the query's count; index 0 there)."""
+    count = visible.sum(-1)
+    kmax = max(int(count.max()), 1)
+    slot = torch.where(visible, visible.cumsum(-1) - 1, kmax)  # invisible keys go to a spare slot
+    index = torch.zeros(*visible.shape[:2], kmax + 1, dtype=torch.long, device=visible.device)
+    keys = torch.arange(visible.shape[-1], device=visible.device).expand_as(visible)
+    index.scatter_(-1, slot, keys)
+    valid = torch.arange(kmax, device=visible.device) < count.unsqueeze(-1)
+    return index[..., :kmax], valid
+
+
+def _attention_forward(q, k, v, visible, scaling: float, query_chunk: int) -> torch.Tensor:
+    """q (B, H, Tq, D), k and v (B, H, Tk, D), visible (B, Tq, Tk) bool: float32 (B, H, Tq, D)."""
+    q, k, v = q.float(), k.float(), v.float()
+    out = []
+    for start in range(0, q.shape[2], query_chunk):
+        sl = slice(start, start + query_chunk)
+        index, valid = _visible_in_order(visible[:, sl])  # (B, c, Kmax)
+        qc = q[:, :, sl]
+        # logical-order keys of every query: (B, H, c, Kmax, D)
+        batch = torch.arange(q.shape[0], device=q.device)[:, None, None, None]
+        head = torch.arange(q.shape[1], device=q.device)[None, :, None, None]
+        idx = index[:, None]
+        k_log = k[batch, head, idx]
+        scores = tree_sum(qc.unsqueeze(-2) * k_log, -1) * scaling  # (B, H, c, Kmax)
+        scores = scores.masked_fill(~valid[:, None], -math.inf)
+        top = scores.amax(-1, keepdim=True)
+        top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
+        p = exp(scores - top)
+        den = tree_sum(p, -1)
+        # empty slots read key 0, which may be a NaN padding row: zero them, not just their weight
+        v_log = v[batch, head, idx].masked_fill_(~valid[:, None, :, :, None], 0.0)
+        num = tree_sum(p.unsqueeze(-1) * v_log, -2)
+        # a query that sees no key (a padding row) gets zeros, as transformers' SDPA path gives
+        out.append(num / torch.where(den > 0, den, 1.0).unsqueeze(-1))
+    return torch.cat(out, dim=2)
+
+
+class _Attention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, visible, scaling, query_chunk):
+        with torch.no_grad():
+            out = _attention_forward(q, k, v, visible, scaling, query_chunk).to(q.dtype)
+        ctx.save_for_backward(q, k, v, visible)
+        ctx.scaling = scaling
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, visible = ctx.saved_tensors
+        with torch.enable_grad():
+            q_, k_, v_ = (t.detach().requires_grad_() for t in (q, k, v))
+            ref = F.scaled_dot_product_attention(q_, k_, v_, attn_mask=visible[:, None], scale=ctx.scaling)
+            dq, dk, dv = torch.autograd.grad(ref, (q_, k_, v_), dout)
+        return dq, dk, dv, None, None, None
+
+
+def attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor, scaling: float, *, query_chunk: int = 64
+) -> torch.Tensor:
+    """Softmax attention, invariant: q (B, H, Tq, D), k and v (B, H, Tk, D) (key heads already
+    repeated for grouped queries), ``visible`` (B, Tq, Tk) bool. Each query reads its visible keys
+    in order (module docstring); ``exp(s - max)`` and both sums over keys use the invariant
+    primitives. Returns (B, H, Tq, D) in q's dtype; the backward is SDPA's."""
+    if visible.dim() != 3:
+        raise ValueError(f"invariant attention: visible must be (B, Tq, Tk); got shape {tuple(visible.shape)}")
+    return _Attention.apply(q, k, v, visible, scaling, query_chunk)
+
+
+class _TokenLogprobs(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, tokens):
+        x = logits.float()
+        with torch.no_grad():
+            top = x.amax(-1, keepdim=True)
+            shifted = x - top
+            total = tree_sum(exp(shifted), -1)
+            lp = shifted.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) - log(total)
+        ctx.save_for_backward(logits, tokens)
+        return lp
+
+    @staticmethod
+    def backward(ctx, dlp):
+        logits, tokens = ctx.saved_tensors
+        grad = -torch.softmax(logits.float(), -1) * dlp.unsqueeze(-1)
+        grad.scatter_add_(-1, tokens.unsqueeze(-1), dlp.unsqueeze(-1))
+        return grad.to(logits.dtype), None
+
+
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """``log_softmax(logits)[token]`` in float32 for logits (..., V) and tokens (...), invariant:
+    ``(x_t - max) - log(tree_sum(exp(x - max)))``. The backward is the usual softmax one."""
+    return _TokenLogprobs.apply(logits, tokens)
