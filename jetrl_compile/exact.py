@@ -52,10 +52,6 @@ def _attention_forward(module, query, key, value, attention_mask, dropout: float
     keys and values; returns (B, Tq, H, D) and no weights."""
     if dropout:
         raise ValueError("exact mode has no attention dropout; call model.eval() or set attention_dropout=0")
-    groups = query.shape[1] // key.shape[1]
-    if groups > 1:
-        key = key.repeat_interleave(groups, dim=1)
-        value = value.repeat_interleave(groups, dim=1)
     scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
     visible = _visible(attention_mask, query, key)
     out = invariant.attention(query, key, value, visible, scaling)

@@ -45,8 +45,6 @@ FIXED_POINT_BITS = 22  # |int| <= 2**22, products <= 2**44, 128 of them <= 2**51
 _LOG2E = 1.4426950408889634
 _LN2 = 0.6931471805599453
 _SQRT2 = 1.4142135623730951
-# exp(r) for |r| <= ln(2) / 2: Taylor terms to r**11 (truncation below 1e-14 relative)
-_EXP_COEFFS = [1.0 / math.factorial(k) for k in range(12)]
 # log(m) = 2 atanh(f), f = (m - 1) / (m + 1), |f| <= 0.172: odd terms to f**17
 _ATANH_COEFFS = [1.0 / (2 * k + 1) for k in range(9)]
 
@@ -72,26 +70,41 @@ def tree_sum(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
 
 
 def _power_of_two(n: torch.Tensor) -> torch.Tensor:
-    """``2.0 ** n`` in float64 for integer-valued float64 ``n`` in [-1022, 1023], built from bits."""
+    """``2.0 ** n`` in float64 for integer-valued ``n`` in [-1022, 1023], built from bits."""
     return ((n.to(torch.int64) + 1023) << 52).view(torch.float64)
 
 
-def _exp64(x: torch.Tensor) -> torch.Tensor:
-    """exp of float64 ``x`` (clamped to float32's range) as a float64 polynomial, ~1e-14 relative."""
-    x = x.clamp(-104.0, 89.0)  # float32 exp is 0 below about -103.97 and inf above 88.73
-    n = torch.round(x * _LOG2E)
-    r = x - n * _LN2
+def _power_of_two_f32(n: torch.Tensor) -> torch.Tensor:
+    """``2.0 ** n`` in float32 for integer-valued ``n`` in [-126, 127], built from bits."""
+    return ((n.to(torch.int32) + 127) << 23).view(torch.float32)
+
+
+_EXP_LOW, _EXP_HIGH = -87.33654, 88.72284  # exp(low) is float32's smallest normal; exp(high) its max
+_LN2_HI, _LN2_LO = 0.693359375, -2.12194440e-4  # ln 2 split: n * _LN2_HI is exact for |n| < 2**15
+# exp(r) on |r| <= ln(2) / 2: Taylor terms to r**7 (truncation 2e-8 relative, below float32's ulp)
+_EXP_COEFFS = [1.0 / math.factorial(k) for k in range(8)]
+
+
+def _exp32(x: torch.Tensor) -> torch.Tensor:
+    """exp of float32 ``x`` from float32 ``+ - *`` and bits; results below float32's smallest
+    normal flush to 0."""
+    xc = x.clamp(_EXP_LOW, _EXP_HIGH)
+    n = torch.round(xc * _LOG2E)
+    r = (xc - n * _LN2_HI) - n * _LN2_LO
     p = torch.full_like(r, _EXP_COEFFS[-1])
     for c in reversed(_EXP_COEFFS[:-1]):
         p = p * r + c
-    return p * _power_of_two(torch.nan_to_num(n))
+    n = torch.nan_to_num(n)
+    half = torch.floor(n * 0.5)
+    y = p * _power_of_two_f32(half) * _power_of_two_f32(n - half)  # two exact scalings: no overflow in 2**n
+    return torch.where(x < _EXP_LOW, 0.0, y)
 
 
 class _Exp(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x):
         with torch.no_grad():
-            y = _exp64(x.double()).float()
+            y = _exp32(x.float())
         ctx.save_for_backward(y)
         return y
 
@@ -103,7 +116,7 @@ class _Exp(torch.autograd.Function):
 
 def exp(x: torch.Tensor) -> torch.Tensor:
     """``exp(x)`` in float32, the same bits for a value wherever it sits in whatever tensor
-    (-inf gives 0, NaN stays NaN). Within an ulp of torch.exp; almost always correctly rounded."""
+    (-inf gives 0, NaN stays NaN, results below 2**-126 flush to 0). Within 2 ulps of torch.exp."""
     return _Exp.apply(x)
 
 
@@ -157,7 +170,7 @@ class FixedPoint:
         return self.values.nbytes
 
 
-_GEMM_COLUMNS = 4096  # output columns per pass: keeps the float64 partial sums in cache
+_GEMM_CHUNK = 2**22  # float64 elements of block products held at once (32 MiB)
 
 
 def gemm(a: torch.Tensor | FixedPoint, b: torch.Tensor | FixedPoint, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -173,16 +186,15 @@ def gemm(a: torch.Tensor | FixedPoint, b: torch.Tensor | FixedPoint, bias: torch
     b = b if isinstance(b, FixedPoint) else FixedPoint(b)
     if a.k != b.k:
         raise ValueError(f"invariant gemm: a has K={a.k} but b has K={b.k}")
+    blocks = a.values.shape[0]
     out = a.values.new_empty(a.rows, b.rows)
-    for n0 in range(0, b.rows, _GEMM_COLUMNS):
-        acc, block = out[:, n0 : n0 + _GEMM_COLUMNS], None
-        for blk in range(a.values.shape[0]):
-            b_blk = b.values[blk, n0 : n0 + _GEMM_COLUMNS].t()
-            if blk == 0:
-                torch.mm(a.values[0], b_blk, out=acc)
-                continue
-            block = torch.mm(a.values[blk], b_blk, out=block)  # exact, added after: never C += A B
-            acc.add_(block)
+    columns = max(GEMM_BLOCK, _GEMM_CHUNK // max(1, blocks * a.rows))
+    for n0 in range(0, b.rows, columns):
+        per_block = torch.bmm(a.values, b.values[:, n0 : n0 + columns].transpose(1, 2))  # each exact
+        acc = per_block[0]
+        for blk in range(1, blocks):
+            acc = acc + per_block[blk]
+        out[:, n0 : n0 + columns] = acc
     if bias is not None:
         out = out + bias.double()
     return out
@@ -249,51 +261,66 @@ def silu(x: torch.Tensor) -> torch.Tensor:
     return _SiLU.apply(x)
 
 
-def _visible_in_order(visible: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """For a (B, Tq, Tk) bool mask: the storage index of each query's j-th visible key, (B, Tq,
-    Kmax), and whether slot j holds one (False past the query's count; index 0 there)."""
-    count = visible.sum(-1)
-    kmax = max(int(count.max()), 1)
-    slot = torch.where(visible, visible.cumsum(-1) - 1, kmax)  # invisible keys go to a spare slot
-    index = torch.zeros(*visible.shape[:2], kmax + 1, dtype=torch.long, device=visible.device)
-    keys = torch.arange(visible.shape[-1], device=visible.device).expand_as(visible)
-    index.scatter_(-1, slot, keys)
-    valid = torch.arange(kmax, device=visible.device) < count.unsqueeze(-1)
-    return index[..., :kmax], valid
+# Attention. Scores: q and k rows on a fixed-point grid of _QK_BITS below each row's largest
+# element, so that every q.k is exact in float64 (2 * 23 bits + log2(head_dim <= 128) <= 53).
+# Weights: p = exp(s - max) rounded to multiples of 2**-_P_BITS (p <= 1: integers <= 2**22).
+# Values: V rounded to BF16 and split by binade into fixed classes of _V_CLASS_BINADES binades; in
+# one class every value is an integer below 2**(8 + 8) times the class's power of two, so
+# sum_j p_j v_j over up to _MAX_KEYS keys stays below 2**(22 + 16 + 15) = 2**53: exact.
+_QK_BITS = 23
+_P_BITS = 22
+_V_CLASS_BINADES = 8
+_MAX_KEYS = 2**15
+_MAX_HEAD_DIM = 128
 
 
-def _attention_forward(q, k, v, visible, scaling: float, query_chunk: int) -> torch.Tensor:
-    """q (B, H, Tq, D), k and v (B, H, Tk, D), visible (B, Tq, Tk) bool: float32 (B, H, Tq, D)."""
-    q, k, v = q.float(), k.float(), v.float()
-    out = []
-    for start in range(0, q.shape[2], query_chunk):
-        sl = slice(start, start + query_chunk)
-        index, valid = _visible_in_order(visible[:, sl])  # (B, c, Kmax)
-        qc = q[:, :, sl]
-        # logical-order keys of every query: (B, H, c, Kmax, D)
-        batch = torch.arange(q.shape[0], device=q.device)[:, None, None, None]
-        head = torch.arange(q.shape[1], device=q.device)[None, :, None, None]
-        idx = index[:, None]
-        k_log = k[batch, head, idx]
-        scores = tree_sum(qc.unsqueeze(-2) * k_log, -1) * scaling  # (B, H, c, Kmax)
-        scores = scores.masked_fill(~valid[:, None], -math.inf)
-        top = scores.amax(-1, keepdim=True)
-        top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
-        p = exp(scores - top)
-        den = tree_sum(p, -1)
-        # empty slots read key 0, which may be a NaN padding row: zero them, not just their weight
-        v_log = v[batch, head, idx].masked_fill_(~valid[:, None, :, :, None], 0.0)
-        num = tree_sum(p.unsqueeze(-1) * v_log, -2)
-        # a query that sees no key (a padding row) gets zeros, as transformers' SDPA path gives
-        out.append(num / torch.where(den > 0, den, 1.0).unsqueeze(-1))
-    return torch.cat(out, dim=2)
+def _row_fixed_point(t: torch.Tensor, bits: int) -> torch.Tensor:
+    """``t`` in float64, each row (last dim) rounded to multiples of 2**(e - bits), 2**e > row max."""
+    t = t.double()
+    exponent = torch.frexp(t.abs().amax(-1, keepdim=True)).exponent.double()
+    scale = _power_of_two(exponent - bits)
+    return torch.round(t / scale) * scale
+
+
+def _value_classes(v: torch.Tensor) -> list[torch.Tensor]:
+    """V (float64) split into one tensor per binade class, in descending class order, from the
+    largest class present down to the smallest. The classes are fixed (binades [8c, 8c + 8)), not
+    chosen from the data; a class no value falls in adds an exact zero."""
+    cls = torch.div(torch.frexp(v).exponent, _V_CLASS_BINADES, rounding_mode="floor")
+    nonzero = v != 0
+    if not bool(nonzero.any()):
+        return []
+    top, bottom = int(cls.masked_fill(~nonzero, -(2**20)).max()), int(cls.masked_fill(~nonzero, 2**20).min())
+    return [torch.where(cls == c, v, 0.0) for c in range(top, bottom - 1, -1)]
+
+
+def _attention_forward(q, k, v, visible, scaling: float) -> torch.Tensor:
+    """q (B, H, Tq, D), k and v (B, Hkv, Tk, D) with H a multiple of Hkv (grouped queries share
+    their key head), visible (B, Tq, Tk) bool: float64 (B, H, Tq, D)."""
+    b, h, tq, d = q.shape
+    hkv = k.shape[1]
+    q = q.reshape(b, hkv, (h // hkv) * tq, d)  # the query heads of a key head, stacked along queries
+    scores = (_row_fixed_point(q, _QK_BITS) @ _row_fixed_point(k, _QK_BITS).transpose(-1, -2)) * scaling
+    scores = scores.float().view(b, hkv, h // hkv, tq, -1).masked_fill(~visible[:, None, None], -math.inf)
+    top = scores.amax(-1, keepdim=True)
+    top = torch.where(torch.isfinite(top), top, 0.0)  # a query that sees no key: all weights 0
+    weights = torch.round(exp(scores - top).double() * 2.0**_P_BITS)  # integers: every sum below is exact
+    den = weights.sum(-1, keepdim=True).view(b, h, tq, 1)
+    weights = weights.view(b, hkv, (h // hkv) * tq, -1)
+    num = None
+    for part in _value_classes(v.to(torch.bfloat16).double()):
+        term = weights @ part  # exact in any order; masked keys have weight 0, whatever their value
+        num = term if num is None else num + term
+    num = torch.zeros(b, h, tq, d, dtype=torch.float64) if num is None else num.view(b, h, tq, d)
+    # a query that sees no key (a padding row) gets zeros, as transformers' SDPA path gives
+    return num / torch.where(den > 0, den, 1.0)
 
 
 class _Attention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, visible, scaling, query_chunk):
+    def forward(ctx, q, k, v, visible, scaling):
         with torch.no_grad():
-            out = _attention_forward(q, k, v, visible, scaling, query_chunk).to(q.dtype)
+            out = _attention_forward(q, k, v, visible, scaling).to(q.dtype)
         ctx.save_for_backward(q, k, v, visible)
         ctx.scaling = scaling
         return out
@@ -303,34 +330,49 @@ class _Attention(torch.autograd.Function):
         q, k, v, visible = ctx.saved_tensors
         with torch.enable_grad():
             q_, k_, v_ = (t.detach().requires_grad_() for t in (q, k, v))
-            ref = F.scaled_dot_product_attention(q_, k_, v_, attn_mask=visible[:, None], scale=ctx.scaling)
+            ref = F.scaled_dot_product_attention(
+                q_, k_, v_, attn_mask=visible[:, None], scale=ctx.scaling, enable_gqa=k.shape[1] != q.shape[1]
+            )
             dq, dk, dv = torch.autograd.grad(ref, (q_, k_, v_), dout)
-        return dq, dk, dv, None, None, None
+        return dq, dk, dv, None, None
 
 
-def attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor, scaling: float, *, query_chunk: int = 64
-) -> torch.Tensor:
-    """Softmax attention, invariant: q (B, H, Tq, D), k and v (B, H, Tk, D) (key heads already
-    repeated for grouped queries), ``visible`` (B, Tq, Tk) bool. Each query reads its visible keys
-    in order (module docstring); ``exp(s - max)`` and both sums over keys use the invariant
-    primitives. Returns (B, H, Tq, D) in q's dtype; the backward is SDPA's."""
-    if visible.dim() != 3:
-        raise ValueError(f"invariant attention: visible must be (B, Tq, Tk); got shape {tuple(visible.shape)}")
-    return _Attention.apply(q, k, v, visible, scaling, query_chunk)
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor, scaling: float) -> torch.Tensor:
+    """Softmax attention, invariant: q (B, H, Tq, D), k and v (B, Hkv, Tk, D) (H a multiple of
+    Hkv: grouped queries), ``visible`` (B, Tq, Tk) bool. Every sum over keys is exact
+    (module docstring), so neither the keys' order nor the masked keys can change a query's
+    result. Returns (B, H, Tq, D) in q's dtype; the backward is SDPA's."""
+    if visible.dim() != 3 or q.shape[1] % k.shape[1]:
+        raise ValueError(
+            f"invariant attention: visible must be (B, Tq, Tk) and query heads a multiple of key heads; got "
+            f"visible {tuple(visible.shape)}, {q.shape[1]} query heads, {k.shape[1]} key heads"
+        )
+    if k.shape[2] > _MAX_KEYS or q.shape[-1] > _MAX_HEAD_DIM:
+        raise ValueError(
+            f"invariant attention is exact up to {_MAX_KEYS} keys and head_dim {_MAX_HEAD_DIM}; "
+            f"got {k.shape[2]} keys, head_dim {q.shape[-1]}"
+        )
+    return _Attention.apply(q, k, v, visible, scaling)
+
+
+_LOGPROB_CHUNK = 2**17  # logits per pass of token_logprobs
 
 
 class _TokenLogprobs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, tokens):
-        x = logits.float()
+        x = logits.reshape(-1, logits.shape[-1])
+        t = tokens.reshape(-1, 1)
+        rows = max(1, _LOGPROB_CHUNK // x.shape[-1])  # a few rows at a time: exp stays in cache
+        parts = []
         with torch.no_grad():
-            top = x.amax(-1, keepdim=True)
-            shifted = x - top
-            total = tree_sum(exp(shifted), -1)
-            lp = shifted.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) - log(total)
+            for r0 in range(0, x.shape[0], rows):
+                shifted = x[r0 : r0 + rows].float()
+                shifted = shifted - shifted.amax(-1, keepdim=True)
+                total = tree_sum(_exp32(shifted), -1)
+                parts.append(shifted.gather(-1, t[r0 : r0 + rows]).squeeze(-1) - log(total))
         ctx.save_for_backward(logits, tokens)
-        return lp
+        return torch.cat(parts).reshape(tokens.shape) if parts else x.new_zeros(tokens.shape, dtype=torch.float32)
 
     @staticmethod
     def backward(ctx, dlp):
