@@ -29,6 +29,7 @@ class GrpoConfig:
     beta: float = 0.0
     micro_batch: int = 16
     trainer_mode: str = "eager"
+    exact: bool = False
     out: str = "runs/grpo"
     save_every: int = 6
     plot_every: int = 3
@@ -38,7 +39,7 @@ class GrpoConfig:
     # resuming a checkpoint written under different values of these would not continue the same run
     RUN_DEFINING: tuple = field(default=(
         "model", "task", "data", "difficulty", "recipe", "group_size", "batch_size", "max_new_tokens",
-        "lr", "seed", "temperature", "clip_eps", "beta",
+        "lr", "seed", "temperature", "clip_eps", "beta", "exact",
     ), repr=False)
 
     def run_defining(self) -> dict:
@@ -68,6 +69,8 @@ HELP = {
                    "(gradients accumulate over the batch)",
     "trainer_mode": "eager (each linear calls the op; no compile wait, and closest to vLLM's non-GEMM numerics) "
                     "or compile (torch.compile with our pass: minutes of compile first)",
+    "exact": "exact mode: rollout logprobs bitwise equal to the trainer's (mismatch 0.0 every step); "
+             "eager trainer and the hf engine",
     "out": "output folder: metrics.jsonl, metrics.png, checkpoints/",
     "save_every": "write a checkpoint every N steps (and at the end, on Ctrl-C, on engine failure)",
     "plot_every": "refresh metrics.png every N steps",

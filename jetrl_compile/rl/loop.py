@@ -51,6 +51,7 @@ class UpdateStats:
     grad_norm: float
     clip_frac: float
     mismatch: dict
+    first_difference: tuple | None = None  # (prompt, sample, token) where the two logprobs first differ
 
 
 class EngineFailure(RuntimeError):
@@ -96,7 +97,7 @@ def policy_update(model, optimizer, prompts, groups, advantages: torch.Tensor, c
     total_tokens = sum(len(c.token_ids) for g in groups for c in g)
     per_micro_batch = max(1, cfg.micro_batch // cfg.group_size)
     optimizer.zero_grad(set_to_none=True)
-    loss_sum, clipped, new_all, old_all = 0.0, 0, [], []
+    loss_sum, clipped, new_all, old_all, where = 0.0, 0, [], [], []
     for start in range(0, len(prompts), per_micro_batch):
         mb = range(start, min(start + per_micro_batch, len(prompts)))
         kept = [[(j, c) for j, c in enumerate(groups[i]) if c.token_ids] for i in mb]  # empty ones add nothing
@@ -117,13 +118,23 @@ def policy_update(model, optimizer, prompts, groups, advantages: torch.Tensor, c
         clipped += parts.clipped
         new_all += [n.detach() for n in new]
         old_all += old
+        where += [(i, j) for i, row in zip(mb, kept) for j, _ in row]
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_GRAD_NORM).item()
     applied = math.isfinite(loss_sum) and math.isfinite(grad_norm)
     if applied:
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return UpdateStats(applied, loss_sum / total_tokens, grad_norm, clipped / total_tokens,
-                       mismatch_metrics(old_all, new_all))
+                       mismatch_metrics(old_all, new_all), _first_difference(old_all, new_all, where))
+
+
+def _first_difference(rollout, trainer, where) -> tuple[int, int, int] | None:
+    """(prompt, sample, token) of the first sampled token whose two logprobs are not bitwise equal."""
+    for (i, j), a, b in zip(where, rollout, trainer):
+        differs = (a.float() != b.float()).nonzero()
+        if len(differs):
+            return i, j, int(differs[0])
+    return None
 
 
 def train(cfg: GrpoConfig, *, model=None, tokenizer=None, task: Task | None = None,
@@ -137,7 +148,8 @@ def train(cfg: GrpoConfig, *, model=None, tokenizer=None, task: Task | None = No
     model, tokenizer, task, pad = _setup(cfg, model, tokenizer, task)
     model.config.use_cache = False
     ref_model = _reference_copy(model, cfg) if cfg.beta else None
-    unify(model, cfg.recipe, mode=cfg.trainer_mode, dynamic=True if cfg.trainer_mode == "compile" else None)
+    unify(model, cfg.recipe, mode=cfg.trainer_mode, dynamic=True if cfg.trainer_mode == "compile" else None,
+          exact=cfg.exact)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
 
     start, counters = 0, {"refused_steps": 0, "engine_retries": 0}
@@ -186,6 +198,10 @@ def train(cfg: GrpoConfig, *, model=None, tokenizer=None, task: Task | None = No
                 counters["refused_steps"] += 1
                 log.warning("step %d refused: non-finite loss (%s) or gradient norm (%s); weights unchanged",
                             done, stats.loss, stats.grad_norm)
+            if cfg.exact and stats.first_difference is not None:
+                log.warning("step %d is NOT exact: prompt %d, sample %d first differs at token %d (max abs dlogp "
+                            "%.3g); exact mode promises 0.0, please report this", done, *stats.first_difference,
+                            stats.mismatch["logprob_abs_diff_max"])
             row = _metrics_row(done, rewards, correct, groups, stats, t1 - t0, t2 - t1, sync_s, counters)
             with metrics_path.open("a") as f:
                 f.write(json.dumps(row) + "\n")
@@ -283,7 +299,7 @@ def evaluate(cfg: GrpoConfig, *, model=None, tokenizer=None, task: Task | None =
     path = latest_checkpoint(cfg.out)
     if path is not None:
         model.load_state_dict(load_checkpoint(path, cfg.run_defining())["model"])
-    unify(model, cfg.recipe, mode="eager")
+    unify(model, cfg.recipe, mode="eager", exact=cfg.exact)
     engine = _engine(model, tokenizer, cfg, Path(cfg.out) / "eval-engine", pad)
     try:
         problems = task.eval_problems(cfg.limit)

@@ -307,11 +307,19 @@ def _attention_forward(q, k, v, visible, scaling: float) -> torch.Tensor:
     weights = torch.round(exp(scores - top).double() * 2.0**_P_BITS)  # integers: every sum below is exact
     den = weights.sum(-1, keepdim=True).view(b, h, tq, 1)
     weights = weights.view(b, hkv, (h // hkv) * tq, -1)
+    values = v.to(torch.bfloat16).double()
+    bad = ~torch.isfinite(values)
+    poisoned = None
+    if bool(bad.any()):  # NaN/inf must reach the queries that see them, and only those
+        poisoned = ((weights > 0).double() @ bad.double() > 0).view(b, h, tq, d)
+        values = values.masked_fill(bad, 0.0)
     num = None
-    for part in _value_classes(v.to(torch.bfloat16).double()):
-        term = weights @ part  # exact in any order; masked keys have weight 0, whatever their value
+    for part in _value_classes(values):
+        term = weights @ part  # exact in any order; masked keys have weight 0
         num = term if num is None else num + term
     num = torch.zeros(b, h, tq, d, dtype=torch.float64) if num is None else num.view(b, h, tq, d)
+    if poisoned is not None:
+        num = num.masked_fill(poisoned, math.nan)
     # a query that sees no key (a padding row) gets zeros, as transformers' SDPA path gives
     return num / torch.where(den > 0, den, 1.0)
 
