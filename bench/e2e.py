@@ -8,6 +8,9 @@ memory of each process is reported too. The default shape is the TRL comparison'
 
     python bench/e2e.py
     python bench/e2e.py --recipes bf16 fp8_fwd_bf16_bwd --steps 4 --trainer-mode eager
+    python bench/e2e.py --recipes fp8_fwd_bf16_bwd fp8_fwd_bf16_bwd+exact --engine hf --result e2e_exact
+
+A recipe written ``name+exact`` runs in exact mode (``--exact``: eager trainer, hf engine).
 """
 
 from __future__ import annotations
@@ -26,12 +29,14 @@ RECIPES = ["bf16", "fp8_fwd_bf16_bwd", "jetrl"]
 PHASES = ["rollout_s", "train_s", "sync_s", "step_s"]
 
 
-def run_recipe(recipe: str, args) -> dict:
+def run_recipe(spec: str, args) -> dict:
     from jetrl_compile.rl.config import GrpoConfig
     from jetrl_compile.rl.loop import train
 
-    cfg = GrpoConfig(recipe=recipe, steps=args.steps, batch_size=args.batch_size, group_size=args.group_size,
-                     max_new_tokens=args.max_new_tokens, trainer_mode=args.trainer_mode, engine=args.engine,
+    recipe, exact = spec.removesuffix("+exact"), spec.endswith("+exact")
+    cfg = GrpoConfig(recipe=recipe, exact=exact, steps=args.steps, batch_size=args.batch_size,
+                     group_size=args.group_size, max_new_tokens=args.max_new_tokens,
+                     trainer_mode=args.trainer_mode, engine=args.engine,
                      out=tempfile.mkdtemp(prefix=f"jetrl-e2e-{recipe}-"), save_every=10**9, plot_every=10**9)
     rows = train(cfg, progress=False)
     timed = rows[args.warmup:]
@@ -54,6 +59,7 @@ def main():
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--trainer-mode", default="eager", choices=["compile", "eager"])
     parser.add_argument("--engine", default="auto", choices=["auto", "vllm", "hf"])
+    parser.add_argument("--result", default="e2e", help="name of the table under bench/results/")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.warmup >= args.steps:
@@ -63,14 +69,15 @@ def main():
         return
     extra = ["--steps", str(args.steps), "--warmup", str(args.warmup), "--batch-size", str(args.batch_size),
              "--group-size", str(args.group_size), "--max-new-tokens", str(args.max_new_tokens),
-             "--trainer-mode", args.trainer_mode, "--engine", args.engine]
+             "--trainer-mode", args.trainer_mode, "--engine", args.engine, "--result", args.result]
     results = {r: run_in_subprocess(__file__, r, extra) for r in args.recipes}
-    base = results.get("bf16")
+    base_name = "bf16" if "bf16" in results else next(iter(results))
+    base = results[base_name]
     rows = []
     for recipe, r in results.items():
         cells = [f"`{recipe}`"]
         for k in PHASES:
-            ratio = f" ({r[k] / base[k]:.2f}x)" if base and recipe != "bf16" and base[k] > 0 else ""
+            ratio = f" ({r[k] / base[k]:.2f}x)" if recipe != base_name and base[k] > 0 else ""
             cells.append(f"{r[k]:.2f}{ratio}")
         cells += [f"{r['first_step_s']:.0f}", f"{r['tokens_per_step']:.0f}", f"{r['peak_rss_gib']:.1f}"]
         rows.append(cells)
@@ -79,8 +86,8 @@ def main():
     body += (f"\n\n{args.batch_size} prompts x {args.group_size} completions x up to {args.max_new_tokens} "
              f"new tokens per step, SmolLM2-135M (FP32 master weights), trainer {args.trainer_mode}, "
              f"engine {args.engine}; medians over steps "
-             f"{args.warmup + 1}..{args.steps}; ratios are recipe over bf16 per phase.")
-    write_result("e2e", "python bench/e2e.py " + " ".join(sys.argv[1:]), body)
+             f"{args.warmup + 1}..{args.steps}; ratios are recipe over `{base_name}` per phase.")
+    write_result(args.result, "python bench/e2e.py " + " ".join(sys.argv[1:]), body)
 
 
 if __name__ == "__main__":

@@ -1,12 +1,18 @@
 """Rollout/trainer mismatch of each precision flow on the default model (SmolLM2-135M).
 
 For every flow: build the trainer (``unify`` with the flow's recipe, parameters in the flow's
-dtype), start vLLM on its export, sample ``n`` completions for each prompt, recompute the
-sampled tokens' logprobs with the trainer and report ``mismatch_metrics``. Every flow sees the
-same prompts and sampling seeds. One subprocess per flow (one in-process vLLM per process).
+dtype), start the flow's engine (vLLM on the trainer's export, or ``HfEngine``: the trainer's own
+model decoding with its KV cache), sample ``n`` completions for each prompt, recompute the
+sampled tokens' logprobs with the trainer and report ``mismatch_metrics`` and the seconds that
+sampling and recomputing took. Every flow sees the same prompts and sampling seeds. One
+subprocess per flow (one in-process vLLM per process).
+
+A flow is ``recipe:trainer_dtype:engine_dtype:trainer_mode[:engine]``, engine ``vllm`` (default),
+``hf`` or ``hf-exact`` (exact mode: ``unify(..., exact=True)``; the engine dtype is the trainer's).
 
     python bench/mismatch.py                # the standard flows, >= 2000 sampled tokens each
     python bench/mismatch.py --flows fp8_fwd_bf16_bwd:float32:float32:eager
+    python bench/mismatch.py --flows $(python bench/mismatch.py --list-exact) --result mismatch_exact
 """
 
 from __future__ import annotations
@@ -30,6 +36,14 @@ FLOWS = [
     "bf16:bfloat16:bfloat16:eager",
     "fp8_fwd_bf16_bwd:float32:float32:compile",
 ]
+# today's engine-side flow without vLLM, then exact mode for each on-policy recipe
+EXACT_FLOWS = [
+    "fp8_fwd_bf16_bwd:float32:float32:eager:hf",
+    "fp8_fwd_bf16_bwd:float32:float32:eager:hf-exact",
+    "bf16:float32:float32:eager:hf-exact",
+    "jetrl:float32:float32:eager:hf-exact",
+    "fp8_fwd_bf16_bwd:bfloat16:bfloat16:eager:hf-exact",
+]
 
 
 def prompts_for(tokenizer, count: int) -> list[list[int]]:
@@ -45,18 +59,31 @@ def run_flow(spec: str, args) -> dict:
     import jetrl_compile
     from jetrl_compile.models import load_model
     from jetrl_compile.rl.mismatch import rollout_mismatch
-    from jetrl_compile.rollout.engines import VllmEngine
+    from jetrl_compile.rollout.engines import HfEngine, VllmEngine
 
-    recipe, trainer_dtype, engine_dtype, mode = spec.split(":")
+    recipe, trainer_dtype, engine_dtype, mode, engine_name = _parse(spec)
     model, tok = load_model(dtype=getattr(torch, trainer_dtype))
-    jetrl_compile.unify(model, recipe, mode=mode, dynamic=True if mode == "compile" else None)
-    engine = VllmEngine(model, tokenizer=tok, workdir=tempfile.mkdtemp(prefix="jetrl-mismatch-"),
-                        dtype=getattr(torch, engine_dtype), max_model_len=1024)
+    jetrl_compile.unify(model, recipe, mode=mode, dynamic=True if mode == "compile" else None,
+                        exact=engine_name == "hf-exact")
+    if engine_name == "vllm":
+        engine = VllmEngine(model, tokenizer=tok, workdir=tempfile.mkdtemp(prefix="jetrl-mismatch-"),
+                            dtype=getattr(torch, engine_dtype), max_model_len=1024)
+    else:
+        engine = HfEngine(model, tokenizer=tok)
     start = time.perf_counter()
     metrics = rollout_mismatch(model, engine, prompts_for(tok, args.prompts), n=args.n,
                                max_new_tokens=args.max_new_tokens, pad_token_id=tok.pad_token_id or 0, seed=7)
     metrics["seconds"] = time.perf_counter() - start
     return metrics
+
+
+def _parse(spec: str) -> tuple[str, str, str, str, str]:
+    parts = spec.split(":")
+    if len(parts) == 4:
+        parts.append("vllm")
+    if len(parts) != 5 or parts[4] not in ("vllm", "hf", "hf-exact"):
+        raise SystemExit(f"flow {spec!r}: expected recipe:trainer_dtype:engine_dtype:mode[:vllm|hf|hf-exact]")
+    return tuple(parts)
 
 
 def main():
@@ -65,29 +92,35 @@ def main():
     parser.add_argument("--prompts", type=int, default=16)
     parser.add_argument("--n", type=int, default=4, help="completions per prompt")
     parser.add_argument("--max-new-tokens", type=int, default=96)
+    parser.add_argument("--result", default="mismatch", help="name of the table under bench/results/")
+    parser.add_argument("--list-exact", action="store_true", help="print the exact-mode flows and exit")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.list_exact:
+        print(" ".join(EXACT_FLOWS))
+        return
     if args.worker:
         report(run_flow(args.worker, args))
         return
 
     rows, results = [], {}
-    sizes = ["--prompts", str(args.prompts), "--n", str(args.n), "--max-new-tokens", str(args.max_new_tokens)]
+    sizes = ["--prompts", str(args.prompts), "--n", str(args.n), "--max-new-tokens", str(args.max_new_tokens),
+             "--result", args.result]
     for spec in args.flows:
         m = results[spec] = run_in_subprocess(__file__, spec, sizes)
-        recipe, tdt, edt, mode = spec.split(":")
-        rows.append([f"`{recipe}`", tdt, edt, mode, m["tokens"], f"{m['mismatch_kl']:.5f}",
-                     f"{m['logprob_abs_diff_mean']:.4f}", f"{m['logprob_abs_diff_max']:.3f}",
-                     f"{m['ratio_outside_frac']:.4f}"])
+        recipe, tdt, edt, mode, engine = _parse(spec)
+        rows.append([f"`{recipe}`", tdt, engine, edt, mode, m["tokens"], f"{m['mismatch_kl']:.5f}",
+                     f"{m['logprob_abs_diff_mean']:.4f}", f"{m['logprob_abs_diff_max']:.3g}",
+                     f"{m['ratio_outside_frac']:.4f}", f"{m['seconds']:.0f}"])
         print(" | ".join(map(str, rows[-1])), flush=True)
-    body = table(["recipe", "trainer params", "vLLM dtype", "trainer mode", "tokens", "k3 KL", "mean abs dlogp",
-                  "max abs dlogp", "ratio outside [0.5, 2]"], rows)
+    body = table(["recipe", "trainer params", "engine", "engine dtype", "trainer mode", "tokens", "k3 KL",
+                  "mean abs dlogp", "max abs dlogp", "ratio outside [0.5, 2]", "sample + recompute s"], rows)
     unified, off = results.get(FLOWS[1]), results.get(FLOWS[2])
     if unified and off:
         body += (f"\n\nUnified FP8 flow vs `fp8_rollout_only` (both FP32 trainer, FP32 vLLM): k3 KL "
                  f"{off['mismatch_kl'] / max(unified['mismatch_kl'], 1e-12):.1f}x lower, mean abs dlogp "
                  f"{off['logprob_abs_diff_mean'] / max(unified['logprob_abs_diff_mean'], 1e-12):.1f}x lower.")
-    write_result("mismatch", "python bench/mismatch.py " + " ".join(sys.argv[1:]), body)
+    write_result(args.result, "python bench/mismatch.py " + " ".join(sys.argv[1:]), body)
 
 
 if __name__ == "__main__":
