@@ -257,6 +257,7 @@ class HfEngine(RolloutEngine):
             out = model.generate(
                 input_ids=ids.repeat_interleave(n, dim=0).to(device),
                 attention_mask=mask.repeat_interleave(n, dim=0).to(device),
+                past_key_values=self._shared_prefill(ids.to(device), mask.to(device), n),
                 max_new_tokens=max_new_tokens, eos_token_id=self.eos_token_id, pad_token_id=self.pad_token_id,
                 output_logits=True, return_dict_in_generate=True, **sampling_args,
             )
@@ -273,6 +274,19 @@ class HfEngine(RolloutEngine):
                 group.append(Completion(row[:end], lp[:end], "stop" if stopped else "length"))
             result.append(group)
         return result
+
+    def _shared_prefill(self, ids: torch.Tensor, mask: torch.Tensor, n: int):
+        """The KV cache of every prompt but its last token, computed once per prompt and repeated
+        for its ``n`` samples (``generate`` would prefill each prompt ``n`` times); ``generate``
+        then runs the last prompt token and decodes. None when there is nothing to share."""
+        if n == 1 or ids.shape[1] < 2:
+            return None
+        head, head_mask = ids[:, :-1], mask[:, :-1]
+        positions = (head_mask.cumsum(-1) - 1).clamp(min=0)  # as generate numbers left-padded prompts
+        cache = self.model(input_ids=head, attention_mask=head_mask, position_ids=positions, use_cache=True,
+                           logits_to_keep=1).past_key_values
+        cache.batch_repeat_interleave(n)
+        return cache
 
     def sync(self, model: nn.Module) -> float:
         if model is not self.model:

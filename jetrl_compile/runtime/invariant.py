@@ -22,10 +22,9 @@ result per element is fixed by IEEE 754 whatever the kernel (``+ - * /``, ``sqrt
   scaled back and added in order. FP8 operands (4-bit significands, power-of-two scales) and BF16
   operands within 2**14 of their block's largest element are represented exactly; smaller BF16
   values and FP32 values are rounded to that fixed-point grid first (22 bits, finer than BF16).
-- **Attention** (``attention``): scores as ``tree_sum`` over the head dim of exact float32
-  products, then per query the visible keys are gathered in their logical order (the mask's order
-  with masked keys removed), so a token sees the same sequence of keys, in the same positions of
-  every tree, under left padding, packing or decode.
+- **Attention** (``attention``): every sum over keys is exact (fixed-point scores, integer
+  weights, V in fixed point per class of rows: see the constants below), so neither the keys'
+  order nor masked keys can change a query's result: left padding, packing and decode agree.
 
 Backward rules are the usual ones (gradients need not be invariant): each function here is an
 autograd Function whose backward recomputes the textbook formula with torch's kernels.
@@ -147,18 +146,23 @@ def log(x: torch.Tensor) -> torch.Tensor:
 
 class FixedPoint:
     """An operand ``(R, K)`` rounded to block fixed point and kept in float64, ready for ``gemm``:
-    ``values`` is ``(nb, R, 128)`` (zero-padded along K); in each 128-block of a row every value is
-    an integer below 2**22 times the same power of two."""
+    ``values`` is ``(nb, R, block)`` (zero-padded along K); in each block of a row every value is
+    an integer times the same power of two. ``block=128`` (FP8's blocks; integers below 2**22) or
+    ``block=None``: one block over the whole row (integers below 2**((52 - ceil(log2 K)) // 2),
+    21 bits for K <= 1024), which makes ``gemm`` one BLAS call."""
 
-    __slots__ = ("values", "k")
+    __slots__ = ("values", "k", "block")
 
-    def __init__(self, t: torch.Tensor):
+    def __init__(self, t: torch.Tensor, block: int | None = GEMM_BLOCK):
         t = t.detach().to(torch.float64)
         self.k = t.shape[-1]
-        nb = -(-self.k // GEMM_BLOCK)
-        t = F.pad(t, (0, nb * GEMM_BLOCK - self.k)).unflatten(-1, (nb, GEMM_BLOCK))
+        self.block = block
+        size = block if block is not None else max(1, self.k)
+        bits = FIXED_POINT_BITS if block is not None else (52 - math.ceil(math.log2(size))) // 2
+        nb = -(-self.k // size)
+        t = F.pad(t, (0, nb * size - self.k)).unflatten(-1, (nb, size))
         exponent = torch.frexp(t.abs().amax(-1, keepdim=True)).exponent.double()  # amax < 2**exponent
-        scale = _power_of_two(exponent - FIXED_POINT_BITS)  # a zero block gets 2**-22: any scale works
+        scale = _power_of_two(exponent - bits)  # a zero block gets 2**-bits: any scale works
         self.values = (torch.round(t / scale) * scale).permute(1, 0, 2).contiguous()
 
     @property
@@ -182,10 +186,10 @@ def gemm(a: torch.Tensor | FixedPoint, b: torch.Tensor | FixedPoint, bias: torch
     whatever order the BLAS kernel sums in. The block results are added in order of K, then the
     bias. The caller rounds the float64 result once to its output dtype.
     """
-    a = a if isinstance(a, FixedPoint) else FixedPoint(a)
     b = b if isinstance(b, FixedPoint) else FixedPoint(b)
-    if a.k != b.k:
-        raise ValueError(f"invariant gemm: a has K={a.k} but b has K={b.k}")
+    a = a if isinstance(a, FixedPoint) else FixedPoint(a, b.block)
+    if a.k != b.k or a.block != b.block:
+        raise ValueError(f"invariant gemm: a has K={a.k} (block {a.block}) but b has K={b.k} (block {b.block})")
     blocks = a.values.shape[0]
     out = a.values.new_empty(a.rows, b.rows)
     columns = max(GEMM_BLOCK, _GEMM_CHUNK // max(1, blocks * a.rows))
@@ -205,7 +209,8 @@ class _Linear(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, weight_fixed):
-        y = gemm(x.reshape(-1, x.shape[-1]), weight if weight_fixed is None else weight_fixed, bias)
+        w = FixedPoint(weight, block=None) if weight_fixed is None else weight_fixed
+        y = gemm(x.reshape(-1, x.shape[-1]), w, bias)
         ctx.save_for_backward(x, weight)
         ctx.has_bias = bias is not None
         return y.to(x.dtype).reshape(*x.shape[:-1], weight.shape[0])
@@ -224,7 +229,8 @@ def linear(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, weight_fixed: FixedPoint | None = None
 ) -> torch.Tensor:
     """``x W^T + b`` with the invariant ``gemm``, in ``x``'s dtype (for linears exact mode keeps
-    unquantized, such as ``lm_head``). ``weight_fixed``: ``FixedPoint(weight)`` made earlier."""
+    unquantized, such as ``lm_head``): one fixed-point block per row, so one exact float64 GEMM.
+    ``weight_fixed``: ``FixedPoint(weight, block=None)`` made earlier."""
     return _Linear.apply(x, weight, bias, weight_fixed)
 
 
@@ -261,67 +267,64 @@ def silu(x: torch.Tensor) -> torch.Tensor:
     return _SiLU.apply(x)
 
 
-# Attention. Scores: q and k rows on a fixed-point grid of _QK_BITS below each row's largest
-# element, so that every q.k is exact in float64 (2 * 23 bits + log2(head_dim <= 128) <= 53).
-# Weights: p = exp(s - max) rounded to multiples of 2**-_P_BITS (p <= 1: integers <= 2**22).
-# Values: V rounded to BF16 and split by binade into fixed classes of _V_CLASS_BINADES binades; in
-# one class every value is an integer below 2**(8 + 8) times the class's power of two, so
-# sum_j p_j v_j over up to _MAX_KEYS keys stays below 2**(22 + 16 + 15) = 2**53: exact.
+# Attention: every sum over keys is exact, so neither the keys' order nor masked keys (weight 0)
+# can change a query's result.
+# - Scores: q and k rows on a fixed-point grid of _QK_BITS below each row's largest element, so
+#   every q.k is exact in float64 (2 * 23 bits + log2(head_dim <= 128) <= 53).
+# - Weights: p = exp(s - max) <= 1 rounded to multiples of 2**-_P_BITS: integers <= 2**22.
+# - Values: each key row of V belongs to the class of _V_CLASS_BINADES binades holding its largest
+#   element, and is rounded to multiples of 2**(class top - _V_BITS): integers below 2**16. Per
+#   class, sum_j p_j v_j over up to _MAX_KEYS keys stays below 2**(22 + 16 + 15) = 2**53: exact.
+#   A row's largest element keeps at least _V_BITS - _V_CLASS_BINADES = 12 bits.
 _QK_BITS = 23
 _P_BITS = 22
-_V_CLASS_BINADES = 8
+_V_BITS = 16
+_V_CLASS_BINADES = 4
 _MAX_KEYS = 2**15
 _MAX_HEAD_DIM = 128
 
 
-def _row_fixed_point(t: torch.Tensor, bits: int) -> torch.Tensor:
-    """``t`` in float64, each row (last dim) rounded to multiples of 2**(e - bits), 2**e > row max."""
-    t = t.double()
-    exponent = torch.frexp(t.abs().amax(-1, keepdim=True)).exponent.double()
-    scale = _power_of_two(exponent - bits)
-    return torch.round(t / scale) * scale
+def _row_exponent(t: torch.Tensor) -> torch.Tensor:
+    """Per row (last dim): the e with row max < 2**e (0 for a zero row), as float32."""
+    return torch.frexp(t.abs().amax(-1, keepdim=True)).exponent.float()
 
 
-def _value_classes(v: torch.Tensor) -> list[torch.Tensor]:
-    """V (float64) split into one tensor per binade class, in descending class order, from the
-    largest class present down to the smallest. The classes are fixed (binades [8c, 8c + 8)), not
-    chosen from the data; a class no value falls in adds an exact zero."""
-    cls = torch.div(torch.frexp(v).exponent, _V_CLASS_BINADES, rounding_mode="floor")
-    nonzero = v != 0
-    if not bool(nonzero.any()):
-        return []
-    top, bottom = int(cls.masked_fill(~nonzero, -(2**20)).max()), int(cls.masked_fill(~nonzero, 2**20).min())
-    return [torch.where(cls == c, v, 0.0) for c in range(top, bottom - 1, -1)]
+def _on_grid(t: torch.Tensor, grid_exponent: torch.Tensor) -> torch.Tensor:
+    """``t`` (float32) rounded to multiples of 2**grid_exponent, in float64. Exact scalings by
+    powers of two around one rounding; the integers stay below 2**24, so float32 holds them."""
+    g = grid_exponent.clamp(-126, 126)  # a row below 2**-100 gets a coarser grid: still exact integers
+    return (torch.round(t * _power_of_two_f32(-g)) * _power_of_two_f32(g)).double()
 
 
 def _attention_forward(q, k, v, visible, scaling: float) -> torch.Tensor:
     """q (B, H, Tq, D), k and v (B, Hkv, Tk, D) with H a multiple of Hkv (grouped queries share
     their key head), visible (B, Tq, Tk) bool: float64 (B, H, Tq, D)."""
     b, h, tq, d = q.shape
-    hkv = k.shape[1]
-    q = q.reshape(b, hkv, (h // hkv) * tq, d)  # the query heads of a key head, stacked along queries
-    scores = (_row_fixed_point(q, _QK_BITS) @ _row_fixed_point(k, _QK_BITS).transpose(-1, -2)) * scaling
-    scores = scores.float().view(b, hkv, h // hkv, tq, -1).masked_fill(~visible[:, None, None], -math.inf)
+    hkv, groups = k.shape[1], h // k.shape[1]
+    q, k, v = q.float().reshape(b, hkv, groups * tq, d), k.float(), v.float()  # query heads stacked by key head
+    scores = _on_grid(q, _row_exponent(q) - _QK_BITS) @ _on_grid(k, _row_exponent(k) - _QK_BITS).transpose(-1, -2)
+    scores = (scores * scaling).float().view(b, hkv, groups, tq, -1).masked_fill(~visible[:, None, None], -math.inf)
     top = scores.amax(-1, keepdim=True)
     top = torch.where(torch.isfinite(top), top, 0.0)  # a query that sees no key: all weights 0
-    weights = torch.round(exp(scores - top).double() * 2.0**_P_BITS)  # integers: every sum below is exact
-    den = weights.sum(-1, keepdim=True).view(b, h, tq, 1)
-    weights = weights.view(b, hkv, (h // hkv) * tq, -1)
-    values = v.to(torch.bfloat16).double()
-    bad = ~torch.isfinite(values)
+    weights = torch.round(exp(scores - top).double() * 2.0**_P_BITS).view(b, hkv, groups * tq, -1)  # integers
+    den = weights.sum(-1, keepdim=True)  # exact
+
+    bad = ~torch.isfinite(v)
     poisoned = None
     if bool(bad.any()):  # NaN/inf must reach the queries that see them, and only those
-        poisoned = ((weights > 0).double() @ bad.double() > 0).view(b, h, tq, d)
-        values = values.masked_fill(bad, 0.0)
+        poisoned = (weights > 0).double() @ bad.double() > 0
+        v = v.masked_fill(bad, 0.0)
+    cls = torch.div(_row_exponent(v) - 1, _V_CLASS_BINADES, rounding_mode="floor")  # (b, hkv, Tk, 1)
+    values = _on_grid(v, (cls + 1) * _V_CLASS_BINADES - _V_BITS)
+    key_cls = cls.squeeze(-1).unsqueeze(-2)  # (b, hkv, 1, Tk)
     num = None
-    for part in _value_classes(values):
-        term = weights @ part  # exact in any order; masked keys have weight 0
+    for c in torch.unique(cls).tolist()[::-1]:  # descending classes; each sum exact
+        term = weights.masked_fill(key_cls != c, 0.0) @ values
         num = term if num is None else num + term
-    num = torch.zeros(b, h, tq, d, dtype=torch.float64) if num is None else num.view(b, h, tq, d)
     if poisoned is not None:
         num = num.masked_fill(poisoned, math.nan)
     # a query that sees no key (a padding row) gets zeros, as transformers' SDPA path gives
-    return num / torch.where(den > 0, den, 1.0)
+    return (num / torch.where(den > 0, den, 1.0)).view(b, h, tq, d)
 
 
 class _Attention(torch.autograd.Function):

@@ -56,7 +56,8 @@ class WeightCache:
     def get_fixed(self, param: torch.Tensor, kind: str) -> FixedPoint:
         """The weight as exact mode's GEMM operand (``invariant.FixedPoint``), made once per
         version of ``param``: of its FP8 quantization dequantized (``"fp8"``), of its BF16 copy
-        (``"bf16"``) or of the parameter itself (``"raw"``, for linears left unquantized)."""
+        (``"bf16"``), both in 128-blocks, or of the parameter itself in one block per row
+        (``"raw"``, for linears left unquantized)."""
         if kind not in _FIXED_KINDS:
             raise ValueError(f"fixed-point kind {kind!r} is unknown; choose one of {', '.join(_FIXED_KINDS)}")
         key, stamp = (id(param), kind), _stamp(param)
@@ -64,10 +65,12 @@ class WeightCache:
         if held is None or held[0]() is not param or held[1] != stamp:
             with torch.no_grad():
                 if kind == "fp8":
-                    source = dequantize(*self.get(param), torch.float32)
+                    fixed = FixedPoint(dequantize(*self.get(param), torch.float32))
+                elif kind == "bf16":
+                    fixed = FixedPoint(param.detach().to(torch.bfloat16))
                 else:
-                    source = param.detach().to(torch.bfloat16) if kind == "bf16" else param.detach()
-                held = (weakref.ref(param), stamp, FixedPoint(source))
+                    fixed = FixedPoint(param.detach(), block=None)
+                held = (weakref.ref(param), stamp, fixed)
             self._fixed[key] = held
         return held[2]
 
