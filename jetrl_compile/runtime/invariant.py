@@ -10,11 +10,12 @@ differ by an ulp with its position in a tensor. Exact mode therefore uses only o
 result per element is fixed by IEEE 754 whatever the kernel (``+ - * /``, ``sqrt``, ``round``,
 ``max``, comparisons, bit casts, conversions) and builds everything else from them:
 
-- **Sums** (``tree_sum``): zero-padded to blocks of 64, each block summed as a fixed pairwise
-  tree, the block sums summed the same way, level by level. The result depends only on the
-  values in order: trailing zeros (padding, masked keys) leave it bitwise unchanged.
-- **exp / log** (``exp``, ``log``): a float64 polynomial of ``+ - *`` with the power of two made
-  from bits, rounded once to float32. Not torch's ``exp``, whose vector and scalar paths differ.
+- **Sums that cannot be exact** (``tree_sum``: RMSNorm's mean of squares, the vocabulary's
+  softmax denominator): zero-padded to blocks of 64, each block summed as a fixed pairwise tree,
+  the block sums summed the same way, level by level. The result depends only on the values in
+  order: trailing zeros leave it bitwise unchanged.
+- **exp / log** (``exp``, ``log``): polynomials of ``+ - *`` with the power of two made from bits
+  (exp in float32, log in float64 rounded once). Not torch's, whose vector and scalar paths differ.
 - **GEMMs** (``gemm``): exact, so that their reduction order cannot matter. Each operand row is
   cut into blocks of 128 along K and each block written as integers times a power of two (22 bits
   below the block's largest element); a block's dot product is then a sum of at most 128 integers
@@ -22,6 +23,7 @@ result per element is fixed by IEEE 754 whatever the kernel (``+ - * /``, ``sqrt
   scaled back and added in order. FP8 operands (4-bit significands, power-of-two scales) and BF16
   operands within 2**14 of their block's largest element are represented exactly; smaller BF16
   values and FP32 values are rounded to that fixed-point grid first (22 bits, finer than BF16).
+  Unquantized linears (``linear``) use one block per row: one exact BLAS call.
 - **Attention** (``attention``): every sum over keys is exact (fixed-point scores, integer
   weights, V in fixed point per class of rows: see the constants below), so neither the keys'
   order nor masked keys can change a query's result: left padding, packing and decode agree.
