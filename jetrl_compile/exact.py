@@ -64,9 +64,12 @@ def _visible(mask: torch.Tensor | None, query: torch.Tensor, key: torch.Tensor) 
     if mask is None:
         causal = torch.ones(tq, tk, dtype=torch.bool, device=query.device).tril(tk - tq)
         return causal.expand(b, tq, tk)
-    if mask.dim() != 4 or mask.shape[1] != 1:
-        raise ValueError(f"exact attention takes a (B, 1, Tq, Tk) mask; got shape {tuple(mask.shape)}")
-    visible = mask[:, 0, :, -tk:] if mask.dtype == torch.bool else mask[:, 0, :, -tk:] == 0
+    if mask.dim() != 4 or mask.shape[1] != 1 or mask.shape[-2:] != (tq, tk):
+        raise ValueError(
+            f"exact attention takes a (B, 1, {tq}, {tk}) mask for {tq} queries and {tk} keys; got shape "
+            f"{tuple(mask.shape)} (a static or paged KV cache is not supported in exact mode)"
+        )
+    visible = mask[:, 0] if mask.dtype == torch.bool else mask[:, 0] == 0
     return visible.expand(b, tq, tk)
 
 
