@@ -100,6 +100,17 @@ def _rope_table(module: nn.Module, positions: int) -> tuple[torch.Tensor, torch.
     return cos[0], sin[0]
 
 
+def rope_table(model: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+    """The cos/sin table exact mode's rotary embedding looks positions up in, (max positions,
+    head_dim) float32 each (a vLLM engine in exact mode uses the same one)."""
+    rotaries = [m for m in model.modules() if type(m).__name__.endswith("RotaryEmbedding")]
+    if len(rotaries) != 1:
+        raise ValueError(
+            f"exact mode expects one rotary embedding in {type(model).__name__}, found {len(rotaries)}"
+        )
+    return _rope_table(rotaries[0], int(model.config.max_position_embeddings))
+
+
 def patch(model: nn.Module, unquantized: list[nn.Linear], cache: WeightCache) -> list:
     """Make ``model`` exact (module docstring); returns the undo list ``unpatch`` takes."""
     config = model.config

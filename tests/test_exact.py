@@ -13,7 +13,7 @@ from jetrl_compile.exact import ATTN_IMPLEMENTATION, ExactSiLU
 from jetrl_compile.rl.config import GrpoConfig
 from jetrl_compile.rl.logprobs import group_logprobs, token_logprobs
 from jetrl_compile.rl.loop import train
-from jetrl_compile.rollout.engines import HfEngine, make_engine
+from jetrl_compile.rollout.engines import HfEngine
 from tests.conftest import ByteTokenizer, tiny_model
 from tests.rl.test_grpo import EarnableTask
 
@@ -98,7 +98,7 @@ def test_gradients_flow_and_match_the_non_exact_ones():
         torch.testing.assert_close(g, grads[1][name], rtol=0.1, atol=2e-3 * grads[1][name].abs().max().item())
 
 
-def test_exact_refuses_compile_vllm_and_unsupported_models():
+def test_exact_refuses_compile_and_unsupported_models():
     with pytest.raises(ValueError, match="runs eagerly"):
         jetrl_compile.unify(_model(), exact=True, mode="compile")
     with pytest.raises(ValueError, match="activation GELU.*exact=False"):
@@ -106,10 +106,6 @@ def test_exact_refuses_compile_vllm_and_unsupported_models():
     with pytest.raises(ValueError, match="rope_type 'dynamic'"):
         jetrl_compile.unify(_model(rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}),
                             exact=True)
-    model = jetrl_compile.unify(_model(), exact=True)
-    with pytest.raises(ValueError, match="engine='hf'"):
-        make_engine(model, "vllm")
-    assert isinstance(make_engine(model, "auto"), HfEngine)
 
 
 def test_restore_undoes_exact_mode():
@@ -127,7 +123,7 @@ def test_restore_undoes_exact_mode():
 
 
 def _exact_cfg(tmp_path, **kw):
-    return GrpoConfig(**{**dict(steps=2, batch_size=2, group_size=3, max_new_tokens=8, lr=1e-2, engine="auto",
+    return GrpoConfig(**{**dict(steps=2, batch_size=2, group_size=3, max_new_tokens=8, lr=1e-2, engine="hf",
                                 out=str(tmp_path / "run"), save_every=5, plot_every=5, micro_batch=3, exact=True),
                          **kw})
 

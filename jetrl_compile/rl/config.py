@@ -70,7 +70,7 @@ HELP = {
     "trainer_mode": "eager (each linear calls the op; no compile wait, and closest to vLLM's non-GEMM numerics) "
                     "or compile (torch.compile with our pass: minutes of compile first)",
     "exact": "exact mode: rollout logprobs bitwise equal to the trainer's (mismatch 0.0 every step); "
-             "eager trainer and the hf engine",
+             "eager trainer, either engine",
     "out": "output folder: metrics.jsonl, metrics.png, checkpoints/",
     "save_every": "write a checkpoint every N steps (and at the end, on Ctrl-C, on engine failure)",
     "plot_every": "refresh metrics.png every N steps",

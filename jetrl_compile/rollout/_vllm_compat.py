@@ -25,6 +25,13 @@ PLUGIN_API = {
     "QuantizationConfig": "vllm.model_executor.layers.quantization.base_config",
     "BasevLLMParameter": "vllm.model_executor.parameter",
     "ModelWeightParameter": "vllm.model_executor.parameter",
+    # exact mode (rollout/vllm_exact.py) replaces the forward of these
+    "RMSNorm": "vllm.model_executor.layers.layernorm",
+    "SiluAndMul": "vllm.model_executor.layers.activation",
+    "RotaryEmbeddingBase": "vllm.model_executor.layers.rotary_embedding.base",
+    "Attention": "vllm.model_executor.layers.attention.attention",
+    "LogitsProcessor": "vllm.model_executor.layers.logits_processor",
+    "VocabParallelEmbedding": "vllm.model_executor.layers.vocab_parallel_embedding",
 }
 
 
@@ -65,6 +72,14 @@ def model(llm):
         return worker(llm).model_runner.model
     except AttributeError as e:
         raise _changed("worker.model_runner.model", e) from e
+
+
+def sampler(llm):
+    """The in-process model runner's sampler (it computes the logprobs the engine reports)."""
+    try:
+        return worker(llm).model_runner.sampler
+    except AttributeError as e:
+        raise _changed("worker.model_runner.sampler", e) from e
 
 
 def reload_weights(llm, tensors) -> None:

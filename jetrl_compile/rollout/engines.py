@@ -3,7 +3,8 @@ trainer's new weights after each optimizer step.
 
 ``VllmEngine`` owns a colocated, in-process vLLM ``LLM`` that loads ``export_vllm``'s checkpoint
 (our ``jetrl`` quantization method runs the trainer's linear op) and ``sync``s by pushing the
-trainer's cached (payload, scale) pairs into the running model in place. ``HfEngine`` samples
+trainer's cached (payload, scale) pairs into the running model in place; for a trainer in exact
+mode it makes the whole vLLM model exact (``vllm_exact``). ``HfEngine`` samples
 with transformers' ``generate`` on the unified model itself, for machines without vLLM. Both
 have the same interface; ``make_engine`` picks one.
 
@@ -68,16 +69,10 @@ def vllm_available() -> bool:
 
 
 def make_engine(model: nn.Module, engine: str = "auto", **kwargs) -> RolloutEngine:
-    """``engine="vllm"``, ``"hf"``, or ``"auto"`` (vLLM when importable, else transformers; always
-    transformers for a model in exact mode)."""
+    """``engine="vllm"``, ``"hf"``, or ``"auto"`` (vLLM when installed, else transformers)."""
     if engine == "auto":
-        engine = "vllm" if vllm_available() and not is_exact(model) else "hf"
+        engine = "vllm" if vllm_available() else "hf"
     if engine == "vllm":
-        if is_exact(model):
-            raise ValueError(
-                "exact mode samples with the hf engine for now: vLLM's own attention, norms and logits "
-                "are not yet the invariant ones (docs/design.md, section 8); use engine='hf' or 'auto'"
-            )
         return VllmEngine(model, **kwargs)
     if engine == "hf":
         kwargs = {k: v for k, v in kwargs.items() if k in ("eos_token_id", "pad_token_id", "tokenizer")}
@@ -119,6 +114,12 @@ class VllmEngine(RolloutEngine):
         if max_model_len is None:  # the model's context, capped: vLLM reserves KV cache for it
             max_model_len = min(int(getattr(model.config, "max_position_embeddings", 2048)), 2048)
         self.dtype = engine_dtype(model, dtype)
+        self.exact = is_exact(model)
+        if self.exact and self.dtype != next(model.parameters()).dtype:
+            raise ValueError(
+                f"exact mode runs the engine in the trainer's dtype ({next(model.parameters()).dtype}), "
+                f"not {self.dtype}: drop dtype= or pass the model's"
+            )
         self.export_dir = export_vllm(
             model, self.workdir / "rollout-weights", tokenizer=tokenizer, recipe=recipe, dtype=self.dtype
         )
@@ -146,6 +147,12 @@ class VllmEngine(RolloutEngine):
                 seed=seed,
                 logprobs_mode="raw_logprobs",
             )
+        self._exact = None
+        if self.exact:  # before any request: the model computes exact mode's function from the start
+            from ..exact import rope_table
+            from .vllm_exact import make_exact
+
+            self._exact = make_exact(self.llm, *rope_table(model))
 
     @property
     def worker(self):
@@ -213,6 +220,8 @@ class VllmEngine(RolloutEngine):
         start = time.perf_counter()
         tensors = list(rollout_tensors(model, self._recipe_arg, dtype=self.dtype))
         _vllm_compat.reload_weights(self.llm, tensors)
+        if self._exact is not None:
+            self._exact.refresh()
         self.llm.reset_prefix_cache()
         return time.perf_counter() - start
 

@@ -13,6 +13,8 @@ method in its ``quantization_config``; vLLM then builds each linear with ``Jetrl
   once per load (``process_weights_after_loading``, which vLLM reruns on every in-place reload),
   not per token.
 - BF16 rollout recipes: a BF16 ``weight`` and the same op with a BF16 forward.
+- Exact mode (``set_exact``, turned on by ``rollout.vllm_exact`` for an exact-mode trainer): the
+  same op with ``exact=`` the weight's fixed-point operand, remade on every load as well.
 
 Classes live at module level: vLLM pickles the config into its engine process.
 """
@@ -24,6 +26,7 @@ from typing import Any
 import torch
 from torch.nn import Parameter
 
+from ..runtime import invariant
 from ..runtime.format import FP8_DTYPE, GROUP
 from ..runtime.fp8_linear import fp8_linear
 from ..runtime.kernels import gemm_operand_dtype
@@ -203,6 +206,7 @@ class JetrlLinearMethod(LinearMethodBase):
     def __init__(self, config: JetrlConfig, prefix: str):
         self.config, self.prefix = config, prefix
         self.fp8 = config.rollout == "fp8"
+        self.exact = False
 
     def create_weights(
         self,
@@ -245,13 +249,30 @@ class JetrlLinearMethod(LinearMethodBase):
         if self.fp8:
             deq = dequantize(layer.weight.data, layer.weight_scale.data, gemm_operand_dtype(layer.weight.device))
             layer.register_parameter("weight_dequantized", Parameter(deq, requires_grad=False))
+        self._make_fixed(layer)
+
+    def set_exact(self, layer: torch.nn.Module, exact: bool) -> None:
+        """Run this layer's GEMM as exact mode's trainer does (``invariant.gemm`` on the weight's
+        fixed-point operand, made here and again after every reload) or as usual."""
+        self.exact = exact
+        self._make_fixed(layer)
+
+    def _make_fixed(self, layer: torch.nn.Module) -> None:
+        if not self.exact:
+            layer.weight_fixed = False
+        elif self.fp8:  # the trainer's WeightCache.get_fixed(w, "fp8") of the same payload and scales
+            deq = dequantize(layer.weight.data, layer.weight_scale.data, torch.float32)
+            layer.weight_fixed = invariant.FixedPoint(deq)
+        else:  # get_fixed(w, "bf16"): the weight here is the trainer's BF16 copy
+            layer.weight_fixed = invariant.FixedPoint(layer.weight.data)
 
     def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        exact = getattr(layer, "weight_fixed", False)
         if not self.fp8:
             return fp8_linear(
-                x, layer.weight, bias, None, None, fprop="bf16", dgrad="bf16", wgrad="bf16"
+                x, layer.weight, bias, None, None, fprop="bf16", dgrad="bf16", wgrad="bf16", exact=exact
             )
         deq = layer.weight_dequantized
         return fp8_linear(
-            x, deq, bias, layer.weight, layer.weight_scale, deq, fprop="fp8", dgrad="bf16", wgrad="bf16"
+            x, deq, bias, layer.weight, layer.weight_scale, deq, fprop="fp8", dgrad="bf16", wgrad="bf16", exact=exact
         )

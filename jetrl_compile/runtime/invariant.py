@@ -371,6 +371,13 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.
 _LOGPROB_CHUNK = 2**17  # logits per pass of token_logprobs
 
 
+def _shifted_and_log_total(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row of (R, V) logits, in float32: ``x - max`` and ``log(tree_sum(exp(x - max)))``."""
+    shifted = logits.float()
+    shifted = shifted - shifted.amax(-1, keepdim=True)
+    return shifted, log(tree_sum(_exp32(shifted), -1))
+
+
 class _TokenLogprobs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, tokens):
@@ -380,10 +387,8 @@ class _TokenLogprobs(torch.autograd.Function):
         parts = []
         with torch.no_grad():
             for r0 in range(0, x.shape[0], rows):
-                shifted = x[r0 : r0 + rows].float()
-                shifted = shifted - shifted.amax(-1, keepdim=True)
-                total = tree_sum(_exp32(shifted), -1)
-                parts.append(shifted.gather(-1, t[r0 : r0 + rows]).squeeze(-1) - log(total))
+                shifted, log_total = _shifted_and_log_total(x[r0 : r0 + rows])
+                parts.append(shifted.gather(-1, t[r0 : r0 + rows]).squeeze(-1) - log_total)
         ctx.save_for_backward(logits, tokens)
         return torch.cat(parts).reshape(tokens.shape) if parts else x.new_zeros(tokens.shape, dtype=torch.float32)
 
@@ -399,3 +404,17 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     """``log_softmax(logits)[token]`` in float32 for logits (..., V) and tokens (...), invariant:
     ``(x_t - max) - log(tree_sum(exp(x - max)))``. The backward is the usual softmax one."""
     return _TokenLogprobs.apply(logits, tokens)
+
+
+def log_softmax(logits: torch.Tensor) -> torch.Tensor:
+    """``log_softmax`` of (R, V) logits in float32, invariant, no autograd: for every token the same
+    bits ``token_logprobs`` gives it (a rollout engine that reports logprobs over the whole
+    vocabulary uses this)."""
+    x = logits.reshape(-1, logits.shape[-1])
+    rows = max(1, _LOGPROB_CHUNK // max(1, x.shape[-1]))
+    out = torch.empty(x.shape, dtype=torch.float32, device=x.device)
+    with torch.no_grad():
+        for r0 in range(0, x.shape[0], rows):
+            shifted, log_total = _shifted_and_log_total(x[r0 : r0 + rows])
+            out[r0 : r0 + rows] = shifted - log_total.unsqueeze(-1)
+    return out.reshape(logits.shape)
