@@ -8,7 +8,8 @@ sampling and recomputing took. Every flow sees the same prompts and sampling see
 subprocess per flow (one in-process vLLM per process).
 
 A flow is ``recipe:trainer_dtype:engine_dtype:trainer_mode[:engine]``, engine ``vllm`` (default),
-``hf`` or ``hf-exact`` (exact mode: ``unify(..., exact=True)``; the engine dtype is the trainer's).
+``hf``, ``vllm-exact`` or ``hf-exact`` (exact mode: ``unify(..., exact=True)``, the engine in the
+trainer's dtype).
 
     python bench/mismatch.py                # the standard flows, >= 2000 sampled tokens each
     python bench/mismatch.py --flows fp8_fwd_bf16_bwd:float32:float32:eager
@@ -36,13 +37,17 @@ FLOWS = [
     "bf16:bfloat16:bfloat16:eager",
     "fp8_fwd_bf16_bwd:float32:float32:compile",
 ]
-# today's engine-side flow without vLLM, then exact mode for each on-policy recipe
+# per engine: today's unified flow, then exact mode for each on-policy recipe
 EXACT_FLOWS = [
-    "fp8_fwd_bf16_bwd:float32:float32:eager:hf",
-    "fp8_fwd_bf16_bwd:float32:float32:eager:hf-exact",
-    "bf16:float32:float32:eager:hf-exact",
-    "jetrl:float32:float32:eager:hf-exact",
-    "fp8_fwd_bf16_bwd:bfloat16:bfloat16:eager:hf-exact",
+    flow
+    for engine in ("vllm", "hf")
+    for flow in (
+        f"fp8_fwd_bf16_bwd:float32:float32:eager:{engine}",
+        f"fp8_fwd_bf16_bwd:float32:float32:eager:{engine}-exact",
+        f"bf16:float32:float32:eager:{engine}-exact",
+        f"jetrl:float32:float32:eager:{engine}-exact",
+        f"fp8_fwd_bf16_bwd:bfloat16:bfloat16:eager:{engine}-exact",
+    )
 ]
 
 
@@ -64,8 +69,8 @@ def run_flow(spec: str, args) -> dict:
     recipe, trainer_dtype, engine_dtype, mode, engine_name = _parse(spec)
     model, tok = load_model(dtype=getattr(torch, trainer_dtype))
     jetrl_compile.unify(model, recipe, mode=mode, dynamic=True if mode == "compile" else None,
-                        exact=engine_name == "hf-exact")
-    if engine_name == "vllm":
+                        exact=engine_name.endswith("-exact"))
+    if engine_name.startswith("vllm"):
         engine = VllmEngine(model, tokenizer=tok, workdir=tempfile.mkdtemp(prefix="jetrl-mismatch-"),
                             dtype=getattr(torch, engine_dtype), max_model_len=1024)
     else:
@@ -77,12 +82,15 @@ def run_flow(spec: str, args) -> dict:
     return metrics
 
 
+ENGINES = ("vllm", "hf", "vllm-exact", "hf-exact")
+
+
 def _parse(spec: str) -> tuple[str, str, str, str, str]:
     parts = spec.split(":")
     if len(parts) == 4:
         parts.append("vllm")
-    if len(parts) != 5 or parts[4] not in ("vllm", "hf", "hf-exact"):
-        raise SystemExit(f"flow {spec!r}: expected recipe:trainer_dtype:engine_dtype:mode[:vllm|hf|hf-exact]")
+    if len(parts) != 5 or parts[4] not in ENGINES:
+        raise SystemExit(f"flow {spec!r}: expected recipe:trainer_dtype:engine_dtype:mode[:{'|'.join(ENGINES)}]")
     return tuple(parts)
 
 

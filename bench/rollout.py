@@ -7,12 +7,15 @@ Engines, each in its own process (one in-process vLLM per process), same prompts
 - ``vllm-jetrl-fp8-fp32``: the same for an FP32-master trainer (non-GEMM ops in FP32, the flow
   the GRPO driver runs), plus the time of one ``sync``;
 - ``vllm-native-fp8``: vLLM's own block-FP8 method on the native export (W8A16 on CPU);
-- ``hf-bf16`` / ``hf-jetrl-fp8``: transformers ``generate`` on the plain and the unified model.
+- ``hf-bf16`` / ``hf-jetrl-fp8``: transformers ``generate`` on the plain and the unified model;
+- a ``jetrl`` engine name ending in ``-exact`` runs exact mode (``unify(..., exact=True)``),
+  ``-fp32`` in it an FP32-master trainer (exact mode runs the engine in the trainer's dtype).
 
 Tokens/s counts the tokens actually generated (EOS ends a completion early), median of
 ``--reps`` runs after one warm-up.
 
     python bench/rollout.py
+    python bench/rollout.py --engines $(python bench/rollout.py --list-exact) --result rollout_exact
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import report, run_in_subprocess, table, write_result  # noqa: E402
 
 ENGINES = ["vllm-bf16", "vllm-jetrl-fp8", "vllm-jetrl-fp8-fp32", "vllm-native-fp8", "hf-bf16", "hf-jetrl-fp8"]
+EXACT_ENGINES = ["vllm-jetrl-fp8-fp32", "vllm-jetrl-fp8-fp32-exact", "hf-jetrl-fp8-fp32", "hf-jetrl-fp8-fp32-exact"]
 
 
 def build(name: str, workdir: Path):
@@ -39,14 +43,15 @@ def build(name: str, workdir: Path):
     from jetrl_compile.rollout.engines import HfEngine, VllmEngine
     from jetrl_compile.rollout.export import export_vllm
 
-    dtype = torch.float32 if name.endswith("fp32") else torch.bfloat16
+    dtype = torch.float32 if "-fp32" in name else torch.bfloat16
+    exact = name.endswith("-exact")
     model, tok = load_model(dtype=dtype)
     if name == "hf-bf16":
         return HfEngine(jetrl_compile.unify(model, "bf16", mode="eager")), None, tok
-    if name == "hf-jetrl-fp8":
-        return HfEngine(jetrl_compile.unify(model, "fp8_fwd_bf16_bwd", mode="eager")), None, tok
+    if name.startswith("hf-jetrl-fp8"):
+        return HfEngine(jetrl_compile.unify(model, "fp8_fwd_bf16_bwd", mode="eager", exact=exact)), None, tok
     if name.startswith("vllm-jetrl"):
-        jetrl_compile.unify(model, "fp8_fwd_bf16_bwd", mode="eager")
+        jetrl_compile.unify(model, "fp8_fwd_bf16_bwd", mode="eager", exact=exact)
         return VllmEngine(model, tokenizer=tok, workdir=workdir, max_model_len=512), model, tok
     # plain vLLM on a BF16 or native-FP8 checkpoint, behind the same generate()
     if name == "vllm-bf16":
@@ -108,14 +113,20 @@ def main():
     parser.add_argument("--prompts", type=int, default=32)
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--result", default="rollout", help="name of the table under bench/results/")
+    parser.add_argument("--list-exact", action="store_true", help="print exact mode's engines beside today's and exit")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.list_exact:
+        print(" ".join(EXACT_ENGINES))
+        return
     sizes = ["--prompts", str(args.prompts), "--max-new-tokens", str(args.max_new_tokens), "--reps", str(args.reps)]
     if args.worker:
         report(measure(args.worker, args))
         return
     results = {name: run_in_subprocess(__file__, name, sizes) for name in args.engines}
-    base = results.get("vllm-bf16", {}).get("tokens_per_s")
+    first = args.engines[0]
+    base = results[first].get("tokens_per_s")
     rows = []
     for name, r in results.items():
         if "error" in r:
@@ -124,10 +135,10 @@ def main():
         ratio = f"{r['tokens_per_s'] / base:.2f}x" if base else ""
         sync = f"{r['sync_s']:.2f}" if "sync_s" in r else ""
         rows.append([name, f"{r['tokens_per_s']:.0f}", ratio, sync, f"{r['tokens']:.0f} tokens/run"])
-    body = table(["engine", "tokens/s (median)", "vs vllm-bf16", "sync s (median)", "notes"], rows)
+    body = table(["engine", "tokens/s (median)", f"vs {first}", "sync s (median)", "notes"], rows)
     body += (f"\n\n{args.prompts} prompts x up to {args.max_new_tokens} new tokens, n=1, median of {args.reps} runs "
              f"after a warm-up; eager vLLM (enforce_eager).")
-    write_result("rollout", "python bench/rollout.py " + " ".join(sys.argv[1:]), body)
+    write_result(args.result, "python bench/rollout.py " + " ".join(sys.argv[1:]), body)
 
 
 if __name__ == "__main__":

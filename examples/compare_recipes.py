@@ -1,10 +1,15 @@
-"""Same seed, same task, four precision flows: reward and rollout/trainer mismatch per step.
+"""Precision flows side by side on one task: reward and rollout/trainer mismatch per step, over
+several seeds.
 
-    python examples/compare_recipes.py --steps 30            # default model and task
-    python examples/compare_recipes.py --recipes bf16 fp8_rollout_only --steps 10
+    python examples/compare_recipes.py --steps 30                      # four flows, seed 0
+    python examples/compare_recipes.py --recipes fp8_fwd_bf16_bwd+exact fp8_fwd_bf16_bwd \\
+        fp8_rollout_only --seeds 0 1 2 --out runs/compare-exact       # exact vs today vs off-policy
 
-Each recipe trains in --out/<recipe> (its own metrics.jsonl and checkpoints); the comparison is
-written to --out/compare.png and --out/compare.md. The other flags are train_grpo.py's.
+A flow is a recipe, or ``recipe+exact`` for exact mode (``--exact``). Each flow and seed trains in
+``--out/<flow>/seed<k>`` (its own metrics.jsonl and checkpoints); a run found complete there is
+read back, not retrained, and an interrupted one resumes from its last checkpoint, so the whole
+comparison can be restarted after a crash. The result is ``--out/compare.png`` (mean over seeds
+with the min..max band) and ``--out/compare.md``. The other flags are train_grpo.py's.
 """
 
 import argparse
@@ -16,26 +21,50 @@ from pathlib import Path
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
+from jetrl_compile.rl.checkpoint import latest_checkpoint
 from jetrl_compile.rl.config import GrpoConfig, add_arguments, config_from_args
 from jetrl_compile.rl.loop import train
-from jetrl_compile.rl.plot import plot_runs, read_metrics
+from jetrl_compile.rl.plot import plot_seed_bands, read_metrics
 
 RECIPES = ["bf16", "fp8_fwd_bf16_bwd", "jetrl", "fp8_rollout_only"]
 
 
-def summarize(name: str, rows: list[dict], window: int) -> list:
-    head, tail = rows[:window], rows[-window:]
+def run(base: GrpoConfig, flow: str, seed: int, out: Path) -> list[dict]:
+    """The metrics rows of ``flow`` at ``seed``: read back if that run is complete, else trained
+    (resumed from its last checkpoint if it was interrupted)."""
+    recipe, exact = flow.removesuffix("+exact"), flow.endswith("+exact")
+    cfg = dataclasses.replace(base, recipe=recipe, exact=exact or base.exact, seed=seed, out=str(out))
+    metrics = out / "metrics.jsonl"
+    if metrics.exists() and len(read_metrics(metrics)) >= cfg.steps:
+        print(f"== {flow}, seed {seed}: complete in {out}, read back ==", flush=True)
+        return read_metrics(metrics)[: cfg.steps]
+    resume = latest_checkpoint(out) is not None
+    print(f"== {flow}, seed {seed}{' (resuming)' if resume else ''} ==", flush=True)
+    train(dataclasses.replace(cfg, resume=resume))
+    return read_metrics(metrics)
 
-    def mean(key, part):
-        return statistics.fmean(r[key] for r in part)
 
+def _spread(values: list[float], fmt: str) -> str:
+    """``mean`` for one seed, ``mean (min..max)`` for several."""
+    mean = format(statistics.fmean(values), fmt)
+    return mean if len(values) == 1 else f"{mean} ({format(min(values), fmt)}..{format(max(values), fmt)})"
+
+
+def summarize(flow: str, seeds: list[list[dict]], window: int) -> list:
+    def window_mean(key, rows, part):
+        part_rows = rows[:window] if part == "head" else rows[-window:]
+        return statistics.fmean(r[key] for r in part_rows)
+
+    reward = [(window_mean("reward_mean", r, "head"), window_mean("reward_mean", r, "tail")) for r in seeds]
+    accuracy = [(window_mean("accuracy", r, "head"), window_mean("accuracy", r, "tail")) for r in seeds]
+    all_rows = [row for rows in seeds for row in rows]
     return [
-        f"`{name}`", len(rows),
-        f"{mean('reward_mean', head):.3f} -> {mean('reward_mean', tail):.3f}",
-        f"{mean('accuracy', head):.2f} -> {mean('accuracy', tail):.2f}",
-        f"{statistics.median(r['mismatch_kl'] for r in rows):.2e}",
-        f"{statistics.median(r['logprob_abs_diff_mean'] for r in rows):.4f}",
-        f"{statistics.median(r['step_s'] for r in rows):.1f}",
+        f"`{flow}`", len(seeds), len(seeds[0]),
+        f"{_spread([a for a, _ in reward], '.3f')} -> {_spread([b for _, b in reward], '.3f')}",
+        f"{_spread([a for a, _ in accuracy], '.2f')} -> {_spread([b for _, b in accuracy], '.2f')}",
+        f"{statistics.median(r['mismatch_kl'] for r in all_rows):.2e}",
+        f"{max(r['logprob_abs_diff_max'] for r in all_rows):.3g}",
+        f"{statistics.median(r['step_s'] for r in all_rows):.1f}",
     ]
 
 
@@ -43,25 +72,26 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(parser, GrpoConfig(out="runs/compare"))
     parser.add_argument("--recipes", nargs="+", default=RECIPES,
-                        help=f"flows to compare (default: {' '.join(RECIPES)})")
+                        help=f"flows to compare, a recipe or recipe+exact (default: {' '.join(RECIPES)})")
+    parser.add_argument("--seeds", nargs="+", type=int, help="seeds per flow (default: --seed)")
     args = parser.parse_args(argv)
     base = config_from_args(args)
+    seeds = args.seeds or [base.seed]
     out = Path(base.out)
-    runs = {}
-    for recipe in args.recipes:
-        cfg = dataclasses.replace(base, recipe=recipe, out=str(out / recipe))
-        print(f"== {recipe} ==", flush=True)
-        train(cfg)
-        runs[recipe] = read_metrics(Path(cfg.out) / "metrics.jsonl")
-    plot_runs(runs, out / "compare.png",
-              title=f"GRPO, {base.task}, seed {base.seed}: one precision flow vs FP8 rollout only")
+    runs = {flow: [run(base, flow, seed, out / flow.replace("+", "-") / f"seed{seed}") for seed in seeds]
+            for flow in args.recipes}
+    plot_seed_bands(runs, out / "compare.png",
+                    title=f"GRPO, {base.task}, seeds {', '.join(map(str, seeds))}: mean and min..max over seeds")
     window = max(1, min(5, base.steps // 4))
-    header = ["recipe", "steps", f"reward (first {window} -> last {window} steps)", "accuracy",
-              "median k3 KL", "median mean abs dlogp", "median step s"]
+    header = ["flow", "seeds", "steps", f"reward (first {window} -> last {window} steps)", "accuracy",
+              "median k3 KL", "max abs dlogp (any step)", "median step s"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    lines += ["| " + " | ".join(str(c) for c in summarize(name, rows, window)) + " |" for name, rows in runs.items()]
+    lines += ["| " + " | ".join(str(c) for c in summarize(flow, rows, window)) + " |" for flow, rows in runs.items()]
     text = "\n".join(lines) + "\n"
-    (out / "compare.md").write_text(f"Command: `python examples/compare_recipes.py {' '.join(sys.argv[1:])}`\n\n{text}")
+    note = "Reward and accuracy: mean over seeds of the window means, (min..max) across seeds."
+    (out / "compare.md").write_text(
+        f"Command: `python examples/compare_recipes.py {' '.join(sys.argv[1:])}`\n\n{text}\n{note}\n"
+    )
     print(text)
 
 

@@ -41,5 +41,49 @@ def plot_runs(runs: dict[str, list[dict]], png: str | Path, title: str = "") -> 
     return png
 
 
+_KL_FLOOR = 1e-9  # where a log-scale axis shows a mismatch of exactly 0
+
+
+def plot_seed_bands(runs: dict[str, list[list[dict]]], png: str | Path, title: str = "") -> Path:
+    """Several seeds per flow: reward on the left, mismatch k3 KL on the right (log scale), each
+    the mean over seeds per step with a min..max band, one colour per flow. A flow whose mismatch
+    is exactly 0 on every step is drawn on the axis floor and labelled so."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    fig, (ax_r, ax_k) = plt.subplots(1, 2, figsize=(11, 4))
+    for i, (name, seeds) in enumerate(runs.items()):
+        seeds = [rows for rows in seeds if rows]
+        if not seeds:
+            continue
+        length = min(len(rows) for rows in seeds)
+        steps = [r["step"] for r in seeds[0][:length]]
+        color = f"C{i}"
+        for ax, key in ((ax_r, "reward_mean"), (ax_k, "mismatch_kl")):
+            values = np.array([[r[key] for r in rows[:length]] for rows in seeds], dtype=float)
+            if key == "mismatch_kl":
+                exact = bool((values == 0).all())
+                values = np.maximum(values, _KL_FLOOR)
+            label = name if key == "reward_mean" else (f"{name}: 0.0 every step" if exact else name)
+            ax.plot(steps, values.mean(0), color=color, label=f"{label} ({len(seeds)} seeds)")
+            if len(seeds) > 1:
+                ax.fill_between(steps, values.min(0), values.max(0), color=color, alpha=0.2, linewidth=0)
+    ax_r.set(xlabel="step", ylabel="mean reward", title="reward (mean over seeds, min..max band)")
+    ax_k.set(xlabel="step", ylabel="k3 KL(rollout || trainer)", yscale="log", ylim=(_KL_FLOOR / 3, None),
+             title=f"rollout/trainer mismatch (0 drawn at {_KL_FLOOR:g})")
+    ax_r.legend(fontsize=7)
+    ax_k.legend(fontsize=7)
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    png = Path(png)
+    fig.savefig(png, dpi=110)
+    plt.close(fig)
+    return png
+
+
 def plot_metrics(metrics_jsonl: str | Path, png: str | Path, title: str = "") -> Path:
     return plot_runs({"run": read_metrics(metrics_jsonl)}, png, title)
