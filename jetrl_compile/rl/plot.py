@@ -30,8 +30,14 @@ def plot_runs(runs: dict[str, list[dict]], png: str | Path, title: str = "") -> 
         ax_k.plot(steps, kl, color=color, label=name)
     ax_r.set(xlabel="step", ylabel="reward / accuracy", title="reward (solid), accuracy (dashed)")
     ax_k.set(xlabel="step", ylabel="k3 KL(rollout || trainer)", title="rollout/trainer mismatch", yscale="log")
-    ax_r.legend(fontsize=7)
-    ax_k.legend(fontsize=7)
+    return _save(fig, (ax_r, ax_k), png, title)
+
+
+def _save(fig, axes, png: str | Path, title: str) -> Path:
+    import matplotlib.pyplot as plt
+
+    for ax in axes:
+        ax.legend(fontsize=7)
     if title:
         fig.suptitle(title)
     fig.tight_layout()
@@ -74,15 +80,7 @@ def plot_seed_bands(runs: dict[str, list[list[dict]]], png: str | Path, title: s
     ax_r.set(xlabel="step", ylabel="mean reward", title="reward (mean over seeds, min..max band)")
     ax_k.set(xlabel="step", ylabel="k3 KL(rollout || trainer)", yscale="log", ylim=(_KL_FLOOR / 3, None),
              title=f"rollout/trainer mismatch (0 drawn at {_KL_FLOOR:g})")
-    ax_r.legend(fontsize=7)
-    ax_k.legend(fontsize=7)
-    if title:
-        fig.suptitle(title)
-    fig.tight_layout()
-    png = Path(png)
-    fig.savefig(png, dpi=110)
-    plt.close(fig)
-    return png
+    return _save(fig, (ax_r, ax_k), png, title)
 
 
 def plot_metrics(metrics_jsonl: str | Path, png: str | Path, title: str = "") -> Path:
