@@ -3,6 +3,7 @@ the spread across seeds, and the seed-band plot draws an exact flow's zero misma
 
 import importlib.util
 import json
+import os
 from pathlib import Path
 
 from jetrl_compile.rl.config import GrpoConfig
@@ -12,9 +13,16 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def _compare():
+    """The example as a module; the environment it sets for vLLM is put back (other tests check
+    that engines leave the environment as they found it)."""
     spec = importlib.util.spec_from_file_location("compare_recipes", ROOT / "examples" / "compare_recipes.py")
     module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    saved = dict(os.environ)
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
     return module
 
 
