@@ -26,7 +26,6 @@ cache...) is refused by name.
 from __future__ import annotations
 
 import torch
-import torch.nn as nn
 
 from ..runtime import invariant
 from . import _vllm_compat
@@ -128,8 +127,6 @@ class ExactVllm:
         self.sampler = _vllm_compat.sampler(llm)
         self.cos_table, self.sin_table = cos_table, sin_table
         self._fixed: dict[int, invariant.FixedPoint] = {}
-        self._heads: list[tuple[nn.Module, nn.Module]] = []  # (logits processor, lm_head)
-        self._plain_linears: list[nn.Module] = []
 
     # --- the layers ---
 
@@ -138,17 +135,16 @@ class ExactVllm:
             "LinearBase", "UnquantizedLinearMethod", "RMSNorm", "SiluAndMul", "RotaryEmbeddingBase", "Attention",
             "LogitsProcessor", "VocabParallelEmbedding",
         )}
-        problems, replaced = [], []
+        problems, handled = [], []
         for name, m in self.model.named_modules():
-            if any(name.startswith(r + ".") for r in replaced):
+            if any(name.startswith(h + ".") for h in handled):
                 continue  # inside a module whose forward is replaced as a whole
-            replaced.append(name)
+            handled.append(name)  # taken back below for containers, whose children are checked one by one
             if isinstance(m, kinds["LinearBase"]):
                 if isinstance(m.quant_method, JetrlLinearMethod):
                     m.quant_method.set_exact(m, True)
                 elif isinstance(m.quant_method, kinds["UnquantizedLinearMethod"]):
-                    self._plain_linears.append(m)
-                    m.quant_method.apply = self._plain_apply
+                    m.quant_method.apply = self._linear
                 else:
                     problems.append(f"{name} ({type(m.quant_method).__name__})")
             elif isinstance(m, kinds["RMSNorm"]):
@@ -166,11 +162,11 @@ class ExactVllm:
             elif isinstance(m, kinds["LogitsProcessor"]):
                 if m.soft_cap is not None or m.scale != 1.0 or m.logits_as_input:
                     problems.append(f"{name} (scaled or soft-capped logits)")
-                m._apply_head = self._head_apply
+                m._apply_head = self._linear
             elif isinstance(m, kinds["VocabParallelEmbedding"]) or type(m).__name__ in _HARMLESS:
                 pass  # a lookup (the logits head's GEMM is the logits processor's)
             else:
-                replaced.pop()  # a container: its children are checked one by one
+                handled.pop()
                 if not any(True for _ in m.children()):
                     problems.append(f"{name} ({type(m).__name__})")
         if problems:
@@ -191,11 +187,10 @@ class ExactVllm:
             self._fixed[key] = invariant.FixedPoint(weight.detach(), block=None)
         return self._fixed[key]
 
-    def _plain_apply(self, layer, x, bias=None):
+    def _linear(self, layer, x, bias=None):
+        """An unquantized linear's ``quant_method.apply`` and the logits processor's
+        ``_apply_head(lm_head, hidden_states, embedding_bias)``: the trainer's ``invariant.linear``."""
         return invariant.linear(x, layer.weight, bias, self._fixed_of(layer.weight))
-
-    def _head_apply(self, lm_head, hidden_states, embedding_bias):
-        return invariant.linear(hidden_states, lm_head.weight, embedding_bias, self._fixed_of(lm_head.weight))
 
     @staticmethod
     def _norm(norm):
