@@ -5,7 +5,9 @@ several seeds.
     python examples/compare_recipes.py --recipes fp8_fwd_bf16_bwd+exact fp8_fwd_bf16_bwd \\
         fp8_rollout_only --seeds 0 1 2 --out runs/compare-exact       # exact vs today vs off-policy
 
-A flow is a recipe, or ``recipe+exact`` for exact mode (``--exact``). Each flow and seed trains in
+A flow is a recipe, with optional ``+exact`` (exact mode, ``--exact``) and ``+tis`` or ``+mis``
+(that rollout correction, ``--rollout-correction``; its bounds from ``--is-clip``, ``--is-low``),
+e.g. ``fp8_rollout_only+tis``. Each flow and seed trains in
 ``--out/<flow>/seed<k>`` (its own metrics.jsonl and checkpoints); a run found complete there is
 read back, not retrained, and an interrupted one resumes from its last checkpoint, so the whole
 comparison can be restarted after a crash. The result is ``--out/compare.png`` (mean over seeds
@@ -21,19 +23,30 @@ from pathlib import Path
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
+from jetrl_compile.recipes import RECIPES
 from jetrl_compile.rl.checkpoint import latest_checkpoint
 from jetrl_compile.rl.config import GrpoConfig, add_arguments, config_from_args
 from jetrl_compile.rl.loop import train
 from jetrl_compile.rl.plot import plot_seed_bands, read_metrics
 
-RECIPES = ["bf16", "fp8_fwd_bf16_bwd", "jetrl", "fp8_rollout_only"]
+FLOWS = ["bf16", "fp8_fwd_bf16_bwd", "jetrl", "fp8_rollout_only"]
+
+
+def flow_config(base: GrpoConfig, flow: str) -> GrpoConfig:
+    """``base`` with the recipe and modifiers ``flow`` names (``recipe[+exact][+tis|+mis]``)."""
+    recipe, *modifiers = flow.split("+")
+    if recipe not in RECIPES or not set(modifiers) <= {"exact", "tis", "mis"} or {"tis", "mis"} <= set(modifiers):
+        raise SystemExit(f"error: flow {flow!r}: write a recipe ({', '.join(RECIPES)}) with optional +exact and "
+                         "one of +tis, +mis")
+    correction = next((m for m in modifiers if m in ("tis", "mis")), base.rollout_correction)
+    return dataclasses.replace(base, recipe=recipe, exact=base.exact or "exact" in modifiers,
+                               rollout_correction=correction)
 
 
 def run(base: GrpoConfig, flow: str, seed: int, out: Path) -> list[dict]:
     """The metrics rows of ``flow`` at ``seed``: read back if that run is complete, else trained
     (resumed from its last checkpoint if it was interrupted)."""
-    recipe, exact = flow.removesuffix("+exact"), flow.endswith("+exact")
-    cfg = dataclasses.replace(base, recipe=recipe, exact=exact or base.exact, seed=seed, out=str(out))
+    cfg = dataclasses.replace(flow_config(base, flow), seed=seed, out=str(out))
     metrics = out / "metrics.jsonl"
     if metrics.exists() and len(read_metrics(metrics)) >= cfg.steps:
         print(f"== {flow}, seed {seed}: complete in {out}, read back ==", flush=True)
@@ -71,13 +84,15 @@ def summarize(flow: str, seeds: list[list[dict]], window: int) -> list:
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(parser, GrpoConfig(out="runs/compare"))
-    parser.add_argument("--recipes", nargs="+", default=RECIPES,
-                        help=f"flows to compare, a recipe or recipe+exact (default: {' '.join(RECIPES)})")
+    parser.add_argument("--recipes", nargs="+", default=FLOWS,
+                        help=f"flows to compare, recipe[+exact][+tis|+mis] (default: {' '.join(FLOWS)})")
     parser.add_argument("--seeds", nargs="+", type=int, help="seeds per flow (default: --seed)")
     args = parser.parse_args(argv)
     base = config_from_args(args)
     seeds = args.seeds or [base.seed]
     out = Path(base.out)
+    for flow in args.recipes:  # a misspelt flow stops here, not after hours of the others
+        flow_config(base, flow)
     runs = {flow: [run(base, flow, seed, out / flow.replace("+", "-") / f"seed{seed}") for seed in seeds]
             for flow in args.recipes}
     plot_seed_bands(runs, out / "compare.png",

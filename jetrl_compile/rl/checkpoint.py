@@ -16,6 +16,8 @@ from pathlib import Path
 
 import torch
 
+from .config import GrpoConfig
+
 FORMAT = 1
 
 
@@ -65,8 +67,9 @@ def load_checkpoint(path: Path, run: dict) -> dict:
         ) from e
     if not isinstance(state, dict) or state.get("format") != FORMAT:
         raise ValueError(f"checkpoint {path} is not a jetrl_compile GRPO checkpoint (format {FORMAT})")
+    defaults = GrpoConfig().run_defining()  # a setting added after the checkpoint was written had its default
     for key, value in run.items():
-        saved = state["run"].get(key)
+        saved = state["run"].get(key, defaults.get(key))
         if saved != value:
             raise ValueError(
                 f"checkpoint {path} belongs to another run: {key}={saved!r} there, {value!r} now; "

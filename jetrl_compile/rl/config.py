@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from ..models import DEFAULT_MODEL
 from ..recipes import DEFAULT_RECIPE, RECIPES
+from .correction import RolloutCorrection
 
 
 @dataclass
@@ -27,6 +28,10 @@ class GrpoConfig:
     temperature: float = 1.0
     clip_eps: float = 0.2
     beta: float = 0.0
+    rollout_correction: str = "none"
+    correction_level: str = "token"
+    is_clip: float = 2.0
+    is_low: float = 0.0
     micro_batch: int = 16
     trainer_mode: str = "eager"
     exact: bool = False
@@ -40,7 +45,14 @@ class GrpoConfig:
     RUN_DEFINING: tuple = field(default=(
         "model", "task", "data", "difficulty", "recipe", "group_size", "batch_size", "max_new_tokens",
         "lr", "seed", "temperature", "clip_eps", "beta", "exact",
+        "rollout_correction", "correction_level", "is_clip", "is_low",
     ), repr=False)
+
+    def __post_init__(self):
+        self.correction()  # a bad correction setting stops here, before a model loads
+
+    def correction(self) -> RolloutCorrection:
+        return RolloutCorrection(self.rollout_correction, self.correction_level, self.is_clip, self.is_low)
 
     def run_defining(self) -> dict:
         return {k: getattr(self, k) for k in self.RUN_DEFINING}
@@ -65,6 +77,11 @@ HELP = {
     "temperature": "sampling temperature of the rollout",
     "clip_eps": "PPO clip range of the importance ratio",
     "beta": "weight of the k3 KL penalty to the initial policy (0: off, no reference model kept)",
+    "rollout_correction": "importance weights for the rollout/trainer difference: none, tis (truncated at "
+                          "--is-clip) or mis (masked outside [--is-low, --is-clip])",
+    "correction_level": "token (one ratio per token) or sequence (one ratio per completion, for all its tokens)",
+    "is_clip": "tis: largest importance weight; mis: ratios above it are masked",
+    "is_low": "mis: ratios below it are masked too (0: no lower bound)",
     "micro_batch": "sequences per trainer forward/backward, rounded to whole groups "
                    "(gradients accumulate over the batch)",
     "trainer_mode": "eager (each linear calls the op; no compile wait, and closest to vLLM's non-GEMM numerics) "
@@ -98,6 +115,10 @@ def add_arguments(parser: argparse.ArgumentParser, defaults: GrpoConfig | None =
             kwargs["choices"] = ["auto", "vllm", "hf"]
         elif f.name == "task":
             kwargs["choices"] = ["arithmetic", "gsm8k"]
+        elif f.name == "rollout_correction":
+            kwargs["choices"] = ["none", "tis", "mis"]
+        elif f.name == "correction_level":
+            kwargs["choices"] = ["token", "sequence"]
         elif f.name == "trainer_mode":
             kwargs["choices"] = ["compile", "eager"]
         parser.add_argument(flag, **kwargs)

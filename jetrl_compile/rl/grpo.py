@@ -6,7 +6,8 @@ surrogate per token, with the importance ratio taken against the rollout engine'
 the sampled tokens (``old``): under one precision flow and one update per batch that ratio is 1
 up to the measured engine/trainer mismatch. Tokens are averaged over the whole batch
 (token-level mean), so long completions are not down-weighted. An optional KL penalty to a
-reference policy uses the k3 estimator.
+reference policy uses the k3 estimator. Optional per-token ``weights`` (rollout correction,
+``correction.py``) scale each token's surrogate term.
 """
 
 from __future__ import annotations
@@ -44,8 +45,10 @@ def clipped_policy_loss(
     clip_eps: float = 0.2,
     ref_logprobs: list[torch.Tensor] | None = None,
     beta: float = 0.0,
+    weights: list[torch.Tensor] | None = None,
 ) -> LossParts:
-    """Sum over tokens of ``-min(ratio * A, clip(ratio, 1 - eps, 1 + eps) * A) + beta * k3``.
+    """Sum over tokens of ``-w * min(ratio * A, clip(ratio, 1 - eps, 1 + eps) * A) + beta * k3``
+    (``w`` = ``weights``, 1 where not given).
 
     Divide ``loss_sum`` by the batch's total token count for the token-level mean (done by the
     caller, so that micro-batches accumulate into the same mean).
@@ -63,6 +66,8 @@ def clipped_policy_loss(
     unclipped = ratio * adv
     clipped = ratio.clamp(1 - clip_eps, 1 + clip_eps) * adv
     per_token = -torch.minimum(unclipped, clipped)
+    if weights is not None:
+        per_token = per_token * torch.cat([w.to(device, torch.float32) for w in weights])
     if beta and ref_logprobs is not None:
         ref = torch.cat([r.to(device, torch.float32) for r in ref_logprobs])
         d = ref - new

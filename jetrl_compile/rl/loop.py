@@ -10,8 +10,9 @@ Per step, as in the paper's algorithm:
 5. ``policy_update``: the trainer (the unified model: FP32 master weights, every GEMM from the
    recipe's BF16/FP8 copies) recomputes the sampled tokens' logprobs (one packed forward per
    group: the prompt once, its G completions beside it), takes the clipped policy
-   loss against the rollout's logprobs, and steps AdamW; a non-finite loss or gradient refuses
-   the step (weights and optimizer state untouched);
+   loss against the rollout's logprobs (or, with a rollout correction, against its own, each
+   token weighted by the bounded trainer/rollout ratio), and steps AdamW; a non-finite loss or
+   gradient refuses the step (weights and optimizer state untouched);
 6. ``engine.sync``: the new quantized weights go into the engine in place.
 
 The trainer's recomputed logprobs double as the rollout/trainer mismatch measurement.
@@ -52,6 +53,7 @@ class UpdateStats:
     clip_frac: float
     mismatch: dict
     first_difference: tuple | None = None  # (prompt, sample, token) where the two logprobs first differ
+    correction: dict | None = None  # importance ratio and the fraction of tokens truncated or masked
 
 
 class EngineFailure(RuntimeError):
@@ -95,6 +97,7 @@ def policy_update(model, optimizer, prompts, groups, advantages: torch.Tensor, c
     accumulated over micro-batches of whole groups (each prompt runs once for its G completions).
     Refused (no step) if the loss or gradient is not finite."""
     total_tokens = sum(len(c.token_ids) for g in groups for c in g)
+    correction = cfg.correction()
     per_micro_batch = max(1, cfg.micro_batch // cfg.group_size)
     optimizer.zero_grad(set_to_none=True)
     loss_sum, clipped, new_all, old_all, where = 0.0, 0, [], [], []
@@ -112,7 +115,11 @@ def policy_update(model, optimizer, prompts, groups, advantages: torch.Tensor, c
         if ref_model is not None and cfg.beta:
             with torch.no_grad():
                 ref = group_logprobs(ref_model, mb_prompts, mb_groups, pad_token_id=pad_token_id)
-        parts = clipped_policy_loss(new, old, adv, clip_eps=cfg.clip_eps, ref_logprobs=ref, beta=cfg.beta)
+        if correction.active:  # PPO's ratio against the trainer itself; the weight carries the rollout's difference
+            parts = clipped_policy_loss(new, [n.detach() for n in new], adv, clip_eps=cfg.clip_eps, ref_logprobs=ref,
+                                        beta=cfg.beta, weights=correction.weights(new, old))
+        else:
+            parts = clipped_policy_loss(new, old, adv, clip_eps=cfg.clip_eps, ref_logprobs=ref, beta=cfg.beta)
         (parts.loss_sum / total_tokens).backward()
         loss_sum += parts.loss_sum.item()
         clipped += parts.clipped
@@ -125,7 +132,8 @@ def policy_update(model, optimizer, prompts, groups, advantages: torch.Tensor, c
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return UpdateStats(applied, loss_sum / total_tokens, grad_norm, clipped / total_tokens,
-                       mismatch_metrics(old_all, new_all), _first_difference(old_all, new_all, where))
+                       mismatch_metrics(old_all, new_all), _first_difference(old_all, new_all, where),
+                       correction.metrics(new_all, old_all))
 
 
 def _first_difference(rollout, trainer, where) -> tuple[int, int, int] | None:
@@ -238,7 +246,9 @@ def _metrics_row(step, rewards, correct, groups, stats: UpdateStats, rollout_s, 
         "mismatch_kl": stats.mismatch["mismatch_kl"],
         "logprob_abs_diff_mean": stats.mismatch["logprob_abs_diff_mean"],
         "logprob_abs_diff_max": stats.mismatch["logprob_abs_diff_max"],
-        "ratio_outside_frac": stats.mismatch["ratio_outside_frac"],
+        **{k: stats.mismatch[k] for k in ("mismatch_k1", "mismatch_chi2", "mismatch_k1_seq", "mismatch_k3_seq",
+                                          "mismatch_chi2_seq", "ratio_outside_frac")},
+        **(stats.correction or {}),
         "loss": stats.loss,
         "grad_norm": stats.grad_norm,
         "clip_frac": stats.clip_frac,

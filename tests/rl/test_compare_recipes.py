@@ -6,6 +6,8 @@ import json
 import os
 from pathlib import Path
 
+import pytest
+
 from jetrl_compile.rl.config import GrpoConfig
 from jetrl_compile.rl.plot import plot_seed_bands
 
@@ -65,3 +67,16 @@ def test_summary_spreads_over_seeds_and_plot_is_written(tmp_path):
     assert row[5] == "0.00e+00" and row[6] == "0"
     png = plot_seed_bands(runs, tmp_path / "compare.png", title="t")
     assert png.stat().st_size > 10_000
+
+
+def test_flows_name_recipe_exact_mode_and_rollout_correction():
+    compare = _compare()
+    base = GrpoConfig(is_clip=3.0)
+    tis = compare.flow_config(base, "fp8_rollout_only+tis")
+    assert (tis.recipe, tis.exact, tis.rollout_correction, tis.is_clip) == ("fp8_rollout_only", False, "tis", 3.0)
+    both = compare.flow_config(base, "jetrl+exact+mis")
+    assert (both.recipe, both.exact, both.rollout_correction) == ("jetrl", True, "mis")
+    assert compare.flow_config(base, "bf16").rollout_correction == "none"
+    for bad in ("fp8", "bf16+tis+mis", "bf16+fast"):
+        with pytest.raises(SystemExit, match="error: flow"):
+            compare.flow_config(base, bad)
