@@ -51,3 +51,26 @@ def load_model(name: str = DEFAULT_MODEL, dtype: torch.dtype = torch.bfloat16):
         hf_logging.set_verbosity(verbosity)
         hf_logging.enable_progress_bar()
     return model, tokenizer
+
+
+def source_tokenizer(model):
+    """The tokenizer of the checkpoint ``model`` was loaded from (``config._name_or_path``: the
+    embedded default, a local folder or a hub name). Raises ValueError, naming the source and the
+    fix, when there is none (a model built in code) or it cannot be loaded."""
+    from transformers import AutoTokenizer
+
+    source = str(getattr(getattr(model, "config", None), "_name_or_path", "") or "")
+    fix = "pass tokenizer=AutoTokenizer.from_pretrained(<the model's source>)"
+    if not source:
+        raise ValueError(f"the model does not say where it was loaded from (config._name_or_path is empty); {fix}")
+    try:
+        folder, gguf = default_model_path()
+        if Path(source).resolve() == folder.resolve():
+            return AutoTokenizer.from_pretrained(folder, gguf_file=gguf)
+    except FileNotFoundError:
+        pass  # the default model is not installed, so it is not the source
+    try:
+        return AutoTokenizer.from_pretrained(source)
+    except Exception as e:  # noqa: BLE001 - any failure to load means the caller must pass one
+        raise ValueError(f"no tokenizer could be loaded from the model's source {source!r} "
+                         f"({type(e).__name__}: {e}); {fix}") from e

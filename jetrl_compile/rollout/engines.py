@@ -121,7 +121,8 @@ class VllmEngine(RolloutEngine):
                 f"not {self.dtype}: drop dtype= or pass the model's"
             )
         self.export_dir = export_vllm(
-            model, self.workdir / "rollout-weights", tokenizer=tokenizer, recipe=recipe, dtype=self.dtype
+            model, self.workdir / "rollout-weights", tokenizer=tokenizer if tokenizer is not None else False,
+            recipe=recipe, dtype=self.dtype
         )
         validate_export(self.export_dir)
         self._signature = _tensor_signature(model)

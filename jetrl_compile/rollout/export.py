@@ -141,17 +141,27 @@ def export_vllm(
 
     ``model`` is a HuggingFace causal LM, normally unified (its recipe and cached quantization are
     used); for a plain model pass ``recipe``. ``dtype`` (float32 or bfloat16) is what vLLM runs
-    the non-GEMM ops in; default the model's parameter dtype. ``tokenizer`` is saved alongside when given (vLLM
-    needs one unless started with ``skip_tokenizer_init=True``). Returns the directory.
+    the non-GEMM ops in; default the model's parameter dtype. ``tokenizer`` is saved alongside: by default
+    the tokenizer of the checkpoint the model was loaded from (``config._name_or_path``; a
+    ValueError says how to pass one where there is none), ``False`` for none (vLLM then needs
+    ``skip_tokenizer_init=True``). Returns the directory.
     """
     from safetensors.torch import save_file
 
     config = getattr(model, "config", None)
     if config is None or not hasattr(config, "to_dict"):
         raise TypeError(f"export_vllm takes a HuggingFace causal LM (with .config); got {type(model).__name__}")
+    tensors = {name: t.contiguous() for name, t in rollout_tensors(model, recipe, fmt=format, dtype=dtype)}
+    if tokenizer is None:  # before anything is written: a missing tokenizer leaves no half-made folder
+        from ..models import source_tokenizer
+
+        try:
+            tokenizer = source_tokenizer(model)
+        except ValueError as e:
+            raise ValueError(f"export_vllm: vLLM needs a tokenizer beside the weights, and {e}; "
+                             "or tokenizer=False to write none (vLLM with skip_tokenizer_init=True)") from e
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    tensors = {name: t.contiguous() for name, t in rollout_tensors(model, recipe, fmt=format, dtype=dtype)}
     save_file(tensors, str(path / WEIGHTS_FILE), metadata={"format": "pt", "producer": f"jetrl_compile {__version__}"})
 
     cfg = config.to_dict()
@@ -167,7 +177,7 @@ def export_vllm(
     generation_config = getattr(model, "generation_config", None)
     if generation_config is not None:
         generation_config.save_pretrained(path)
-    if tokenizer is not None:
+    if tokenizer is not False:
         tokenizer.save_pretrained(path)
     return path
 

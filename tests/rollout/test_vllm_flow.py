@@ -244,7 +244,7 @@ def test_native_fp8_export_loads_in_vllms_own_fp8_method(tmp_path):
     # vLLM's block-FP8 method wants fused shards in whole 128-row blocks: 4 heads x 64, 2 kv heads.
     model = unified_tiny("fp8_rollout_only", hidden_size=256, num_attention_heads=4, num_key_value_heads=2,
                      intermediate_size=384)
-    path = export_vllm(model, tmp_path / "native", format="fp8")
+    path = export_vllm(model, tmp_path / "native", format="fp8", tokenizer=False)
     kwargs = dict(model=str(path), skip_tokenizer_init=True, enforce_eager=True, max_model_len=128, dtype="bfloat16")
     if not torch.cuda.is_available() and not _cpu_has_amx():
         with pytest.raises(ValueError, match="CPUFp8BlockScaledMMKernel requires AMX tile support"):
@@ -278,7 +278,7 @@ def test_native_fp8_export_loads_in_vllms_own_fp8_method(tmp_path):
 )
 def test_plain_vllm_refuses_a_corrupt_export_naming_the_tensor(tmp_path, corruption, message):
 
-    path = export_vllm(unified_tiny(), tmp_path)
+    path = export_vllm(unified_tiny(), tmp_path, tokenizer=False)
     corrupt_export(path, corruption)
     with pytest.raises(Exception, match=message):
         _plain_llm(model=str(path), skip_tokenizer_init=True, enforce_eager=True, max_model_len=128, dtype="float32")
