@@ -23,6 +23,7 @@ from pathlib import Path
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
+from jetrl_compile.errors import UsageValueError, command_line_errors
 from jetrl_compile.recipes import RECIPES
 from jetrl_compile.rl.checkpoint import latest_checkpoint
 from jetrl_compile.rl.config import GrpoConfig, add_arguments, config_from_args
@@ -36,7 +37,7 @@ def flow_config(base: GrpoConfig, flow: str) -> GrpoConfig:
     """``base`` with the recipe and modifiers ``flow`` names (``recipe[+exact][+tis|+mis]``)."""
     recipe, *modifiers = flow.split("+")
     if recipe not in RECIPES or not set(modifiers) <= {"exact", "tis", "mis"} or {"tis", "mis"} <= set(modifiers):
-        raise SystemExit(f"error: flow {flow!r}: write a recipe ({', '.join(RECIPES)}) with optional +exact and "
+        raise UsageValueError(f"flow {flow!r}: write a recipe ({', '.join(RECIPES)}) with optional +exact and "
                          "one of +tis, +mis")
     correction = next((m for m in modifiers if m in ("tis", "mis")), base.rollout_correction)
     return dataclasses.replace(base, recipe=recipe, exact=base.exact or "exact" in modifiers,
@@ -87,7 +88,14 @@ def main(argv=None):
     parser.add_argument("--recipes", nargs="+", default=FLOWS,
                         help=f"flows to compare, recipe[+exact][+tis|+mis] (default: {' '.join(FLOWS)})")
     parser.add_argument("--seeds", nargs="+", type=int, help="seeds per flow (default: --seed)")
+    parser.add_argument("--debug", action="store_true", help="show the traceback of an error in the flags, data, "
+                        "checkpoint or --out")
     args = parser.parse_args(argv)
+    with command_line_errors(args.debug):
+        compare(args)
+
+
+def compare(args):
     base = config_from_args(args)
     seeds = args.seeds or [base.seed]
     out = Path(base.out)

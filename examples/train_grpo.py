@@ -18,6 +18,7 @@ import sys
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine lives in this process
 
+from jetrl_compile.errors import command_line_errors
 from jetrl_compile.rl.config import add_arguments, config_from_args
 from jetrl_compile.rl.loop import evaluate, train
 
@@ -25,7 +26,14 @@ from jetrl_compile.rl.loop import evaluate, train
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(parser)
-    cfg = config_from_args(parser.parse_args(argv))
+    parser.add_argument("--debug", action="store_true", help="show the traceback of an error in the flags, data, "
+                        "checkpoint or --out (they print one 'error:' line and exit 2 otherwise)")
+    args = parser.parse_args(argv)
+    with command_line_errors(args.debug):
+        run(config_from_args(args))
+
+
+def run(cfg):
     logging.basicConfig(level=logging.INFO, format="[%(name)s] %(message)s")
     for noisy in ("vllm", "transformers"):
         logging.getLogger(noisy).setLevel(logging.WARNING)

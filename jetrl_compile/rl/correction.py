@@ -27,6 +27,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..errors import UsageValueError
+
 MODES = ("none", "tis", "mis")
 LEVELS = ("token", "sequence")
 
@@ -40,13 +42,13 @@ class RolloutCorrection:
 
     def __post_init__(self):
         if self.mode not in MODES:
-            raise ValueError(f"rollout correction {self.mode!r}: choose one of {', '.join(MODES)}")
+            raise UsageValueError(f"rollout correction {self.mode!r}: choose one of {', '.join(MODES)}")
         if self.level not in LEVELS:
-            raise ValueError(f"rollout correction level {self.level!r}: choose one of {', '.join(LEVELS)}")
+            raise UsageValueError(f"rollout correction level {self.level!r}: choose one of {', '.join(LEVELS)}")
         if not (math.isfinite(self.clip) and self.clip > 0):
-            raise ValueError(f"--is-clip must be a positive number; got {self.clip}")
+            raise UsageValueError(f"--is-clip must be a positive number; got {self.clip}")
         if not (0 <= self.low < self.clip):
-            raise ValueError(f"--is-low must be in [0, --is-clip) = [0, {self.clip}); got {self.low}")
+            raise UsageValueError(f"--is-low must be in [0, --is-clip) = [0, {self.clip}); got {self.low}")
 
     @property
     def active(self) -> bool:

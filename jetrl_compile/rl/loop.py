@@ -30,6 +30,7 @@ from pathlib import Path
 
 import torch
 
+from ..errors import UsageFileExistsError, UsageFileNotFoundError
 from ..models import load_model
 from ..rollout.engines import Completion, make_engine
 from ..unify import unify
@@ -149,6 +150,15 @@ def train(cfg: GrpoConfig, *, model=None, tokenizer=None, task: Task | None = No
           progress: bool = True) -> list[dict]:
     """Run GRPO as ``cfg`` says; returns the metrics of the steps run in this call."""
     out = Path(cfg.out)
+    # what is wrong with --out or its checkpoint stops the run before a model loads
+    found = latest_checkpoint(out)
+    if cfg.resume and found is None:
+        raise UsageFileNotFoundError(f"--resume: no checkpoint in {out / 'checkpoints'}; run without --resume to start")
+    if not cfg.resume and found is not None:
+        raise UsageFileExistsError(
+            f"{out} already holds a run (checkpoints/); pass --resume to continue it or choose another --out"
+        )
+    state = load_checkpoint(found, cfg.run_defining()) if cfg.resume else None
     out.mkdir(parents=True, exist_ok=True)
     metrics_path = out / "metrics.jsonl"
     torch.manual_seed(cfg.seed)
@@ -161,22 +171,14 @@ def train(cfg: GrpoConfig, *, model=None, tokenizer=None, task: Task | None = No
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
 
     start, counters = 0, {"refused_steps": 0, "engine_retries": 0}
-    if cfg.resume:
-        path = latest_checkpoint(out)
-        if path is None:
-            raise FileNotFoundError(f"--resume: no checkpoint in {out / 'checkpoints'}; run without --resume to start")
-        state = load_checkpoint(path, cfg.run_defining())
+    if state is not None:
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         task.load_state_dict(state["task"])
         restore_rng(state)
         start, counters = state["step"], state["counters"]
         _truncate_metrics(metrics_path, start)
-        log.info("resumed %s at step %d", path, start)
-    elif latest_checkpoint(out) is not None:
-        raise FileExistsError(
-            f"{out} already holds a run (checkpoints/); pass --resume to continue it or choose another --out"
-        )
+        log.info("resumed %s at step %d", found, start)
     else:
         metrics_path.write_text("")
     (out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
@@ -273,10 +275,10 @@ def _truncate_metrics(path: Path, step: int) -> None:
 def _setup(cfg: GrpoConfig, model, tokenizer, task):
     """What training and evaluation both start from: the model with FP32 master weights (every
     GEMM runs from the recipe's BF16/FP8 copies), its tokenizer, the task and the pad token."""
+    task = task or make_task(cfg.task, seed=cfg.seed, data=cfg.data, difficulty=cfg.difficulty)  # bad data: no load
     if model is None:
         model, tokenizer = load_model(cfg.model, dtype=torch.float32)
     model.float()
-    task = task or make_task(cfg.task, seed=cfg.seed, data=cfg.data, difficulty=cfg.difficulty)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     return model, tokenizer, task, pad
 

@@ -17,6 +17,8 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..errors import UsageFileNotFoundError, UsageValueError
+
 FORMAT_REWARD = 0.1
 INSTRUCTION = "Solve the problem. End your reply with 'Answer: <number>'."
 _NUMBER = r"-?\d[\d,]*(?:\.\d+)?"
@@ -115,7 +117,7 @@ class ArithmeticTask(Task):
 
     def __init__(self, seed: int = 0, difficulty: int = 1):
         if difficulty not in (1, 2, 3):
-            raise ValueError(f"arithmetic difficulty {difficulty} must be 1, 2 or 3")
+            raise UsageValueError(f"arithmetic difficulty {difficulty} must be 1, 2 or 3")
         self.seed, self.difficulty = seed, difficulty
         self.rng = random.Random(seed)
 
@@ -189,7 +191,7 @@ class Gsm8kTask(Task):
 
 def _read_gsm8k(path: Path) -> list[Problem]:
     if not path.is_file():
-        raise FileNotFoundError(f"GSM8K data {path} not found; pass --data PATH to a GSM8K-format jsonl")
+        raise UsageFileNotFoundError(f"GSM8K data {path} not found; pass --data PATH to a GSM8K-format jsonl")
     problems = []
     for i, line in enumerate(path.read_text().splitlines(), 1):
         if not line.strip():
@@ -198,11 +200,11 @@ def _read_gsm8k(path: Path) -> list[Problem]:
             row = json.loads(line)
             problems.append(Problem(row["question"], gsm8k_reference(row["answer"])))
         except (json.JSONDecodeError, KeyError, ValueError) as e:
-            raise ValueError(
+            raise UsageValueError(
                 f"{path}:{i}: not a GSM8K line ({e}); each line needs 'question' and 'answer' with '#### N'"
             ) from e
     if not problems:
-        raise ValueError(f"{path} holds no problems")
+        raise UsageValueError(f"{path} holds no problems")
     return problems
 
 
@@ -211,8 +213,8 @@ def make_task(name: str, *, seed: int = 0, data: str | None = None, difficulty: 
         return ArithmeticTask(seed=seed, difficulty=difficulty)
     if name == "gsm8k":
         if data is None:
-            raise ValueError(
+            raise UsageValueError(
                 "--task gsm8k needs --data PATH (a GSM8K-format jsonl, e.g. ../shared/data/gsm8k/train.jsonl)"
             )
         return Gsm8kTask(data, seed=seed)
-    raise ValueError(f"task {name!r} is unknown; choose arithmetic or gsm8k")
+    raise UsageValueError(f"task {name!r} is unknown; choose arithmetic or gsm8k")

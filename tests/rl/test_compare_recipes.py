@@ -1,31 +1,18 @@
 """examples/compare_recipes.py: a complete run is read back instead of retrained, summaries give
 the spread across seeds, and the seed-band plot draws an exact flow's zero mismatch."""
 
-import importlib.util
 import json
-import os
 from pathlib import Path
 
 import pytest
 
 from jetrl_compile.rl.config import GrpoConfig
 from jetrl_compile.rl.plot import plot_seed_bands
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests.conftest import load_example
 
 
 def _compare():
-    """The example as a module; the environment it sets for vLLM is put back (other tests check
-    that engines leave the environment as they found it)."""
-    spec = importlib.util.spec_from_file_location("compare_recipes", ROOT / "examples" / "compare_recipes.py")
-    module = importlib.util.module_from_spec(spec)
-    saved = dict(os.environ)
-    try:
-        spec.loader.exec_module(module)
-    finally:
-        os.environ.clear()
-        os.environ.update(saved)
-    return module
+    return load_example("compare_recipes")
 
 
 def _rows(steps, reward, kl):
@@ -78,5 +65,5 @@ def test_flows_name_recipe_exact_mode_and_rollout_correction():
     assert (both.recipe, both.exact, both.rollout_correction) == ("jetrl", True, "mis")
     assert compare.flow_config(base, "bf16").rollout_correction == "none"
     for bad in ("fp8", "bf16+tis+mis", "bf16+fast"):
-        with pytest.raises(SystemExit, match="error: flow"):
+        with pytest.raises(ValueError, match="flow .*: write a recipe"):
             compare.flow_config(base, bad)
