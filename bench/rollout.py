@@ -9,13 +9,16 @@ Engines, each in its own process (one in-process vLLM per process), same prompts
 - ``vllm-native-fp8``: vLLM's own block-FP8 method on the native export (W8A16 on CPU);
 - ``hf-bf16`` / ``hf-jetrl-fp8``: transformers ``generate`` on the plain and the unified model;
 - a ``jetrl`` engine name ending in ``-exact`` runs exact mode (``unify(..., exact=True)``),
-  ``-fp32`` in it an FP32-master trainer (exact mode runs the engine in the trainer's dtype).
+  ``-fp32`` in it an FP32-master trainer (exact mode runs the engine in the trainer's dtype),
+  ``-mp`` at its end vLLM's engine core in a process of its own (``in_process=False``: sync
+  through the export folder and ``collective_rpc``).
 
 Tokens/s counts the tokens actually generated (EOS ends a completion early), median of
 ``--reps`` runs after one warm-up.
 
     python bench/rollout.py
     python bench/rollout.py --engines $(python bench/rollout.py --list-exact) --result rollout_exact
+    python bench/rollout.py --engines vllm-jetrl-fp8-fp32 vllm-jetrl-fp8-fp32-mp --result rollout_sync
 """
 
 from __future__ import annotations
@@ -44,7 +47,7 @@ def build(name: str, workdir: Path):
     from jetrl_compile.rollout.export import export_vllm
 
     dtype = torch.float32 if "-fp32" in name else torch.bfloat16
-    exact = name.endswith("-exact")
+    exact = "-exact" in name
     model, tok = load_model(dtype=dtype)
     if name == "hf-bf16":
         return HfEngine(jetrl_compile.unify(model, "bf16", mode="eager")), None, tok
@@ -52,7 +55,9 @@ def build(name: str, workdir: Path):
         return HfEngine(jetrl_compile.unify(model, "fp8_fwd_bf16_bwd", mode="eager", exact=exact)), None, tok
     if name.startswith("vllm-jetrl"):
         jetrl_compile.unify(model, "fp8_fwd_bf16_bwd", mode="eager", exact=exact)
-        return VllmEngine(model, tokenizer=tok, workdir=workdir, max_model_len=512), model, tok
+        in_process = not name.endswith("-mp")
+        engine = VllmEngine(model, tokenizer=tok, workdir=workdir, max_model_len=512, in_process=in_process)
+        return engine, model, tok
     # plain vLLM on a BF16 or native-FP8 checkpoint, behind the same generate()
     if name == "vllm-bf16":
         model.save_pretrained(workdir / "ckpt")

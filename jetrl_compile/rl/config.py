@@ -36,6 +36,8 @@ class GrpoConfig:
     trainer_mode: str = "eager"
     exact: bool = False
     out: str = "runs/grpo"
+    report_to: str = "none"
+    eval_every: int = 0
     save_every: int = 6
     plot_every: int = 3
     resume: bool = False
@@ -89,11 +91,13 @@ HELP = {
     "exact": "exact mode: rollout logprobs bitwise equal to the trainer's (mismatch 0.0 every step); "
              "eager trainer, either engine",
     "out": "output folder: metrics.jsonl, metrics.png, checkpoints/",
+    "report_to": "also log every step's metrics to: none, or tensorboard (event files in --out/tensorboard)",
+    "eval_every": "every N steps, greedy accuracy on --limit held-out problems, logged as eval_accuracy (0: off)",
     "save_every": "write a checkpoint every N steps (and at the end, on Ctrl-C, on engine failure)",
     "plot_every": "refresh metrics.png every N steps",
     "resume": "continue the run in --out from its latest checkpoint, bit for bit",
     "eval": "only evaluate: greedy accuracy on the held-out split (of the latest checkpoint in --out if any)",
-    "limit": "problems to evaluate in --eval",
+    "limit": "problems to evaluate in --eval and at every --eval-every",
 }
 
 
@@ -119,6 +123,8 @@ def add_arguments(parser: argparse.ArgumentParser, defaults: GrpoConfig | None =
             kwargs["choices"] = ["none", "tis", "mis"]
         elif f.name == "correction_level":
             kwargs["choices"] = ["token", "sequence"]
+        elif f.name == "report_to":
+            kwargs["choices"] = ["none", "tensorboard"]
         elif f.name == "trainer_mode":
             kwargs["choices"] = ["compile", "eager"]
         parser.add_argument(flag, **kwargs)

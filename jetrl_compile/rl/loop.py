@@ -40,6 +40,7 @@ from .grpo import clipped_policy_loss, group_advantages
 from .logprobs import group_logprobs
 from .mismatch import mismatch_metrics
 from .plot import plot_metrics
+from .report import make_report
 from .tasks import Problem, Task, make_task
 
 log = logging.getLogger("jetrl_compile.grpo")
@@ -183,6 +184,7 @@ def train(cfg: GrpoConfig, *, model=None, tokenizer=None, task: Task | None = No
         metrics_path.write_text("")
     (out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
 
+    report = make_report(cfg.report_to, out)
     engine = _engine(model, tokenizer, cfg, out / "engine", pad, seed=cfg.seed)
     bar = _progress(cfg, start) if progress else None
     done = start
@@ -213,6 +215,9 @@ def train(cfg: GrpoConfig, *, model=None, tokenizer=None, task: Task | None = No
                             "%.3g); exact mode promises 0.0, please report this", done, *stats.first_difference,
                             stats.mismatch["logprob_abs_diff_max"])
             row = _metrics_row(done, rewards, correct, groups, stats, t1 - t0, t2 - t1, sync_s, counters)
+            if cfg.eval_every and done % cfg.eval_every == 0:  # the engine holds this step's weights
+                row["eval_accuracy"] = greedy_accuracy(engine, task, tokenizer, cfg)[0]
+            report.log(row, done)
             with metrics_path.open("a") as f:
                 f.write(json.dumps(row) + "\n")
             new_metrics.append(row)
@@ -233,6 +238,7 @@ def train(cfg: GrpoConfig, *, model=None, tokenizer=None, task: Task | None = No
     finally:
         if bar is not None:
             bar.close()
+        report.close()
         engine.close()
     return new_metrics
 
@@ -304,6 +310,15 @@ def _progress(cfg: GrpoConfig, start: int):
     return tqdm(total=cfg.steps, initial=start, desc=f"GRPO {cfg.recipe}", unit="step", dynamic_ncols=True)
 
 
+def greedy_accuracy(engine, task: Task, tokenizer, cfg: GrpoConfig) -> tuple[float, int]:
+    """(exact-answer accuracy, problems) of greedy completions on ``cfg.limit`` held-out problems."""
+    problems = task.eval_problems(cfg.limit)
+    groups = engine.generate([task.prompt_ids(tokenizer, p) for p in problems], n=1,
+                             max_new_tokens=cfg.max_new_tokens, temperature=0.0, seed=cfg.seed)
+    _, correct = score(task, tokenizer, problems, groups)
+    return correct.mean().item(), len(problems)
+
+
 def evaluate(cfg: GrpoConfig, *, model=None, tokenizer=None, task: Task | None = None) -> dict:
     """Greedy accuracy on the task's held-out split (``cfg.limit`` problems), with the latest
     checkpoint in ``cfg.out`` if there is one."""
@@ -314,13 +329,10 @@ def evaluate(cfg: GrpoConfig, *, model=None, tokenizer=None, task: Task | None =
     unify(model, cfg.recipe, mode="eager", exact=cfg.exact)
     engine = _engine(model, tokenizer, cfg, Path(cfg.out) / "eval-engine", pad)
     try:
-        problems = task.eval_problems(cfg.limit)
-        groups = engine.generate([task.prompt_ids(tokenizer, p) for p in problems], n=1,
-                                 max_new_tokens=cfg.max_new_tokens, temperature=0.0, seed=cfg.seed)
+        accuracy, problems = greedy_accuracy(engine, task, tokenizer, cfg)
     finally:
         engine.close()
-    _, correct = score(task, tokenizer, problems, groups)
-    result = {"accuracy": correct.mean().item(), "problems": len(problems), "checkpoint": str(path) if path else None,
+    result = {"accuracy": accuracy, "problems": problems, "checkpoint": str(path) if path else None,
               "recipe": cfg.recipe, "task": cfg.task}
     Path(cfg.out).mkdir(parents=True, exist_ok=True)
     (Path(cfg.out) / "eval.json").write_text(json.dumps(result, indent=2))

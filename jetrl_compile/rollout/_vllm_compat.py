@@ -1,8 +1,9 @@
 """Every reach into vLLM internals, in one file, each checked against the vLLM it was written for.
 
-The public ``vllm.LLM`` API does not give a colocated trainer what it needs: the in-process
-worker (to push weights in place), its model, engine shutdown, and the quantization-method
-plumbing our plugin registers with. These paths were written against ``WRITTEN_FOR``; when one
+The public ``vllm.LLM`` API does not give a colocated trainer all it needs: the in-process
+worker's model (exact mode patches it, tests read it), engine shutdown, and the
+quantization-method plumbing our plugin registers with. Weight sync goes through the public
+``LLM.collective_rpc``. These paths were written against ``WRITTEN_FOR``; when one
 stops resolving, the error names that version and the installed one instead of an
 ``AttributeError`` deep in the engine.
 """
@@ -82,12 +83,21 @@ def sampler(llm):
         raise _changed("worker.model_runner.sampler", e) from e
 
 
-def reload_weights(llm, tensors) -> None:
-    """Load ``(checkpoint name, tensor)`` pairs into the running model, in place."""
-    w = worker(llm)
-    if not hasattr(w, "reload_weights"):
-        raise _changed("worker.reload_weights", AttributeError("no reload_weights"))
-    w.reload_weights(weights_iterator=tensors, is_checkpoint_format=True)
+def reload_weights(llm, tensors=None, *, folder: str | None = None) -> None:
+    """Load new weights into the running model, in place, through vLLM's public
+    ``LLM.collective_rpc`` and the worker's ``reload_weights``: ``(checkpoint name, tensor)``
+    pairs handed over as they are (an in-process engine), or the checkpoint ``folder`` the worker
+    reads itself (an engine in its own process: the RPC carries only the path, since its
+    serializer cannot carry tensors)."""
+    kwargs = {"is_checkpoint_format": True}
+    if folder is not None:
+        kwargs["weights_path"] = str(folder)
+    else:
+        kwargs["weights_iterator"] = tensors
+    try:
+        llm.collective_rpc("reload_weights", kwargs=kwargs)
+    except AttributeError as e:
+        raise _changed("LLM.collective_rpc('reload_weights')", e) from e
 
 
 def shutdown(llm) -> None:

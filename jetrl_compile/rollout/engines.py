@@ -1,9 +1,10 @@
 """Rollout engines: sample completions with the logprob of every sampled token, and take the
 trainer's new weights after each optimizer step.
 
-``VllmEngine`` owns a colocated, in-process vLLM ``LLM`` that loads ``export_vllm``'s checkpoint
-(our ``jetrl`` quantization method runs the trainer's linear op) and ``sync``s by pushing the
-trainer's cached (payload, scale) pairs into the running model in place; for a trainer in exact
+``VllmEngine`` owns a colocated vLLM ``LLM`` (in this process by default, or with its engine core
+in a process of its own) that loads ``export_vllm``'s checkpoint (our ``jetrl`` quantization
+method runs the trainer's linear op) and ``sync``s by pushing the trainer's cached (payload,
+scale) pairs into the running model in place (``LLM.collective_rpc("reload_weights")``); for a trainer in exact
 mode it makes the whole vLLM model exact (``vllm_exact``). ``HfEngine`` samples
 with transformers' ``generate`` on the unified model itself, for machines without vLLM. Both
 have the same interface; ``make_engine`` picks one.
@@ -29,7 +30,14 @@ from ..recipes import Recipe
 from ..state import is_unified
 from ..unify import rollout_forward
 from . import _vllm_compat
-from .export import engine_dtype, export_vllm, rollout_recipe_and_cache, rollout_tensors, validate_export
+from .export import (
+    engine_dtype,
+    export_vllm,
+    rollout_recipe_and_cache,
+    rollout_tensors,
+    validate_export,
+    write_weights,
+)
 
 
 @dataclass
@@ -104,8 +112,13 @@ class VllmEngine(RolloutEngine):
         dtype: torch.dtype | None = None,
         eos_token_id: int | None = None,
         pad_token_id: int | None = None,
+        in_process: bool = True,
     ):
+        """``in_process=False`` runs vLLM's engine core in its own process (what ``vllm serve``
+        does); ``sync`` then rewrites the export's weights file and has the worker reload it, and
+        exact mode and ``worker``/``vllm_model`` (which reach into the model) are not available."""
         self.recipe, _ = rollout_recipe_and_cache(model, recipe)
+        self.in_process = in_process
         self._recipe_arg = recipe
         self.workdir = Path(workdir) if workdir is not None else Path(tempfile.mkdtemp(prefix="jetrl-rollout-"))
         self.eos_token_id = (
@@ -115,6 +128,8 @@ class VllmEngine(RolloutEngine):
             max_model_len = min(int(getattr(model.config, "max_position_embeddings", 2048)), 2048)
         self.dtype = engine_dtype(model, dtype)
         self.exact = is_exact(model)
+        if self.exact and not in_process:
+            raise ValueError("exact mode patches vLLM's model in this process: drop in_process=False")
         if self.exact and self.dtype != next(model.parameters()).dtype:
             raise ValueError(
                 f"exact mode runs the engine in the trainer's dtype ({next(model.parameters()).dtype}), "
@@ -130,10 +145,10 @@ class VllmEngine(RolloutEngine):
 
         from vllm import LLM
 
-        # in-process (so sync can reach the model), this engine's cache folder and KV size: set
+        # in-process or not, this engine's cache folder and KV size: set
         # while vLLM starts, then the caller's environment is back for the next engine
         settings = {
-            "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+            "VLLM_ENABLE_V1_MULTIPROCESSING": "0" if in_process else "1",
             "VLLM_CACHE_ROOT": str(self.workdir / "vllm-cache"),
             "VLLM_CPU_KVCACHE_SPACE": str(int(kv_cache_gib)),
         }
@@ -158,11 +173,17 @@ class VllmEngine(RolloutEngine):
     @property
     def worker(self):
         """vLLM's in-process worker (the object with ``reload_weights`` and the model)."""
+        self._needs_in_process("worker")
         return _vllm_compat.worker(self.llm)
 
     @property
     def vllm_model(self) -> nn.Module:
+        self._needs_in_process("vllm_model")
         return _vllm_compat.model(self.llm)
+
+    def _needs_in_process(self, what: str) -> None:
+        if not self.in_process:
+            raise RuntimeError(f"VllmEngine.{what}: the model lives in vLLM's engine process (in_process=False)")
 
     def generate(self, prompts, *, n=1, max_new_tokens=64, temperature=1.0, seed=0):
         from vllm import SamplingParams
@@ -220,7 +241,11 @@ class VllmEngine(RolloutEngine):
             )
         start = time.perf_counter()
         tensors = list(rollout_tensors(model, self._recipe_arg, dtype=self.dtype))
-        _vllm_compat.reload_weights(self.llm, tensors)
+        if self.in_process:
+            _vllm_compat.reload_weights(self.llm, tensors)
+        else:  # the engine's process reads the new weights from the export folder it loaded
+            write_weights(self.export_dir, {name: t.contiguous() for name, t in tensors})
+            _vllm_compat.reload_weights(self.llm, folder=self.export_dir)
         if self._exact is not None:
             self._exact.refresh()
         self.llm.reset_prefix_cache()

@@ -146,7 +146,6 @@ def export_vllm(
     ValueError says how to pass one where there is none), ``False`` for none (vLLM then needs
     ``skip_tokenizer_init=True``). Returns the directory.
     """
-    from safetensors.torch import save_file
 
     config = getattr(model, "config", None)
     if config is None or not hasattr(config, "to_dict"):
@@ -162,7 +161,7 @@ def export_vllm(
                              "or tokenizer=False to write none (vLLM with skip_tokenizer_init=True)") from e
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(path / WEIGHTS_FILE), metadata={"format": "pt", "producer": f"jetrl_compile {__version__}"})
+    write_weights(path, tensors)
 
     cfg = config.to_dict()
     cfg["architectures"] = [type(model).__name__]  # a config built in code may not name it
@@ -180,6 +179,15 @@ def export_vllm(
     if tokenizer is not False:
         tokenizer.save_pretrained(path)
     return path
+
+
+def write_weights(path: str | Path, tensors: dict[str, torch.Tensor]) -> Path:
+    """(Re)write an export's weights file with ``tensors`` (checkpoint names); returns its path."""
+    from safetensors.torch import save_file
+
+    file = Path(path) / WEIGHTS_FILE
+    save_file(tensors, str(file), metadata={"format": "pt", "producer": f"jetrl_compile {__version__}"})
+    return file
 
 
 def validate_export(path: str | Path) -> dict:

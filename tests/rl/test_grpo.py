@@ -294,7 +294,8 @@ def test_help_documents_every_flag():
         [sys.executable, "examples/train_grpo.py", "--help"], capture_output=True, text=True, check=True
     ).stdout
     for flag in ["--model", "--task", "--data", "--recipe", "--engine", "--steps", "--group-size", "--batch-size",
-                 "--max-new-tokens", "--lr", "--seed", "--out", "--resume", "--eval", "--limit"]:
+                 "--max-new-tokens", "--lr", "--seed", "--out", "--resume", "--eval", "--limit", "--rollout-correction",
+                 "--is-clip", "--is-low", "--correction-level", "--report-to", "--eval-every", "--debug"]:
         assert flag in out, flag
 
 
@@ -344,3 +345,29 @@ def test_a_run_killed_after_a_checkpoint_resumes_bit_for_bit(tmp_path):
         assert torch.equal(a, b), name
     lines = (tmp_path / "b" / "run" / "metrics.jsonl").read_text().splitlines()
     assert _untimed(json.loads(line) for line in lines) == _untimed(rows)
+
+
+def test_tensorboard_report_and_periodic_eval(tmp_path):
+    """--report-to tensorboard writes every step's metrics as scalars, --eval-every adds the
+    held-out accuracy to the rows it falls on."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    cfg = _cfg(tmp_path, steps=2, report_to="tensorboard", eval_every=2, limit=3)
+    _, rows = _run(cfg)
+    assert "eval_accuracy" not in rows[0] and 0.0 <= rows[1]["eval_accuracy"] <= 1.0
+    events = EventAccumulator(str(Path(cfg.out) / "tensorboard"))
+    events.Reload()
+    tags = set(events.Tags()["scalars"])
+    assert {"train/reward_mean", "train/mismatch_kl", "train/is_ratio_mean", "eval/accuracy"} <= tags
+    assert [e.step for e in events.Scalars("train/reward_mean")] == [1, 2]
+    assert [e.value for e in events.Scalars("train/loss")] == pytest.approx([r["loss"] for r in rows])
+    assert [e.step for e in events.Scalars("eval/accuracy")] == [2]
+
+
+def test_tensorboard_missing_is_a_usage_error(tmp_path, monkeypatch):
+    from jetrl_compile.errors import UsageError
+    from jetrl_compile.rl.report import make_report
+
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # import fails as if not installed
+    with pytest.raises(UsageError, match="needs the tensorboard package"):
+        make_report("tensorboard", tmp_path)

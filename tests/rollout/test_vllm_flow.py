@@ -284,6 +284,33 @@ def test_plain_vllm_refuses_a_corrupt_export_naming_the_tensor(tmp_path, corrupt
         _plain_llm(model=str(path), skip_tokenizer_init=True, enforce_eager=True, max_model_len=128, dtype="float32")
 
 
+def test_an_engine_in_its_own_process_samples_and_syncs_like_the_in_process_one(flow, tmp_path):
+    """vLLM's engine core in a separate process (what `vllm serve` runs): sync rewrites the
+    export and the worker reloads it through collective_rpc; its samples are the in-process
+    engine's, bitwise, before and after a step. Next to last in the module: closing an engine
+    tears down vLLM's process-wide parallel state, which the module's shared engine needs."""
+    model, engine = flow
+    apart = VllmEngine(model, workdir=tmp_path, max_model_len=256, in_process=False)
+    try:
+        with pytest.raises(RuntimeError, match="lives in vLLM's engine process"):
+            _ = apart.vllm_model
+        here = engine.generate(PROMPTS[:3], n=2, max_new_tokens=6, seed=5)
+        assert apart.generate(PROMPTS[:3], n=2, max_new_tokens=6, seed=5) == here
+
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        model(input_ids=torch.tensor(PROMPTS[:4])).logits.logsumexp(-1).mean().backward()
+        opt.step()
+        opt.zero_grad()
+        engine.sync(model)
+        apart.sync(model)
+        after = engine.generate(PROMPTS[:3], n=2, max_new_tokens=6, seed=5)
+        assert after != here  # the step moved the samples
+        assert apart.generate(PROMPTS[:3], n=2, max_new_tokens=6, seed=5) == after
+    finally:
+        apart.close()
+    assert {k: os.environ.get(k) for k in ENGINE_SETTINGS} == ENVIRONMENT_BEFORE
+
+
 @pytest.mark.parametrize("recipe", ["fp8_fwd_bf16_bwd", "bf16"])
 def test_vllm_linears_are_the_trainers_on_either_bf16_gemm_path(recipe, gemm_path, tmp_path):
     """With the BF16 GEMM path forced either way, the plugin and the trainer take it alike: every
