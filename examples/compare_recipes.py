@@ -37,8 +37,9 @@ def flow_config(base: GrpoConfig, flow: str) -> GrpoConfig:
     """``base`` with the recipe and modifiers ``flow`` names (``recipe[+exact][+tis|+mis]``)."""
     recipe, *modifiers = flow.split("+")
     if recipe not in RECIPES or not set(modifiers) <= {"exact", "tis", "mis"} or {"tis", "mis"} <= set(modifiers):
-        raise UsageValueError(f"flow {flow!r}: write a recipe ({', '.join(RECIPES)}) with optional +exact and "
-                         "one of +tis, +mis")
+        raise UsageValueError(
+            f"flow {flow!r}: write a recipe ({', '.join(RECIPES)}) with optional +exact and one of +tis, +mis"
+        )
     correction = next((m for m in modifiers if m in ("tis", "mis")), base.rollout_correction)
     return dataclasses.replace(base, recipe=recipe, exact=base.exact or "exact" in modifiers,
                                rollout_correction=correction)

@@ -8,7 +8,8 @@ from dataclasses import dataclass, field
 
 from ..models import DEFAULT_MODEL
 from ..recipes import DEFAULT_RECIPE, RECIPES
-from .correction import RolloutCorrection
+from .correction import LEVELS, MODES, RolloutCorrection
+from .report import REPORTS
 
 
 @dataclass
@@ -120,11 +121,11 @@ def add_arguments(parser: argparse.ArgumentParser, defaults: GrpoConfig | None =
         elif f.name == "task":
             kwargs["choices"] = ["arithmetic", "gsm8k"]
         elif f.name == "rollout_correction":
-            kwargs["choices"] = ["none", "tis", "mis"]
+            kwargs["choices"] = list(MODES)
         elif f.name == "correction_level":
-            kwargs["choices"] = ["token", "sequence"]
+            kwargs["choices"] = list(LEVELS)
         elif f.name == "report_to":
-            kwargs["choices"] = ["none", "tensorboard"]
+            kwargs["choices"] = list(REPORTS)
         elif f.name == "trainer_mode":
             kwargs["choices"] = ["compile", "eager"]
         parser.add_argument(flag, **kwargs)

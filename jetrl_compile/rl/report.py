@@ -25,7 +25,6 @@ class TensorBoardReport:
                 f"--report-to tensorboard needs the tensorboard package ({e}); pip install tensorboard "
                 "(make venv installs it with the examples extra)"
             ) from e
-        self.folder = folder
         self.writer = SummaryWriter(str(folder))
 
     def log(self, row: dict, step: int) -> None:

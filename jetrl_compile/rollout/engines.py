@@ -145,8 +145,8 @@ class VllmEngine(RolloutEngine):
 
         from vllm import LLM
 
-        # in-process or not, this engine's cache folder and KV size: set
-        # while vLLM starts, then the caller's environment is back for the next engine
+        # where the engine core runs, this engine's cache folder and KV size: set while vLLM
+        # starts, then the caller's environment is back for the next engine
         settings = {
             "VLLM_ENABLE_V1_MULTIPROCESSING": "0" if in_process else "1",
             "VLLM_CACHE_ROOT": str(self.workdir / "vllm-cache"),
@@ -244,7 +244,7 @@ class VllmEngine(RolloutEngine):
         if self.in_process:
             _vllm_compat.reload_weights(self.llm, tensors)
         else:  # the engine's process reads the new weights from the export folder it loaded
-            write_weights(self.export_dir, {name: t.contiguous() for name, t in tensors})
+            write_weights(self.export_dir, tensors)
             _vllm_compat.reload_weights(self.llm, folder=self.export_dir)
         if self._exact is not None:
             self._exact.refresh()

@@ -146,11 +146,10 @@ def export_vllm(
     ValueError says how to pass one where there is none), ``False`` for none (vLLM then needs
     ``skip_tokenizer_init=True``). Returns the directory.
     """
-
     config = getattr(model, "config", None)
     if config is None or not hasattr(config, "to_dict"):
         raise TypeError(f"export_vllm takes a HuggingFace causal LM (with .config); got {type(model).__name__}")
-    tensors = {name: t.contiguous() for name, t in rollout_tensors(model, recipe, fmt=format, dtype=dtype)}
+    tensors = list(rollout_tensors(model, recipe, fmt=format, dtype=dtype))
     if tokenizer is None:  # before anything is written: a missing tokenizer leaves no half-made folder
         from ..models import source_tokenizer
 
@@ -181,12 +180,13 @@ def export_vllm(
     return path
 
 
-def write_weights(path: str | Path, tensors: dict[str, torch.Tensor]) -> Path:
-    """(Re)write an export's weights file with ``tensors`` (checkpoint names); returns its path."""
+def write_weights(path: str | Path, tensors) -> Path:
+    """(Re)write an export's weights file with ``(checkpoint name, tensor)`` pairs; returns its path."""
     from safetensors.torch import save_file
 
     file = Path(path) / WEIGHTS_FILE
-    save_file(tensors, str(file), metadata={"format": "pt", "producer": f"jetrl_compile {__version__}"})
+    metadata = {"format": "pt", "producer": f"jetrl_compile {__version__}"}
+    save_file({name: t.contiguous() for name, t in tensors}, str(file), metadata=metadata)
     return file
 
 
