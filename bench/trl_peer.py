@@ -1,9 +1,7 @@
 """The peer: TRL's GRPOTrainer on the same model, task and step shape, timed per step.
 
-TRL is not a dependency of this project; install it beside it to run this:
+TRL comes with the project's ``trl`` extra (``make venv`` installs it):
 
-    pip install --no-deps trl==1.16.0 "datasets<4.1" "pyarrow<21" "dill<0.4" "multiprocess<0.70.18" xxhash pandas
-    # (newer datasets/dill/pyarrow pairs fail to pickle pyarrow types in Dataset.from_list)
     python bench/trl_peer.py                 # 8 prompts x 8 completions x 32 tokens, 4 steps
     python bench/e2e.py --recipes bf16 fp8_fwd_bf16_bwd   # ours, same shape
 
@@ -37,7 +35,7 @@ def main():
         from transformers import TrainerCallback
         from trl import GRPOConfig, GRPOTrainer
     except ImportError as e:
-        raise SystemExit(f"bench/trl_peer.py needs TRL ({e}); see its docstring for the install line") from e
+        raise SystemExit(f"bench/trl_peer.py needs TRL ({e}): make venv, or pip install -e '.[trl]'") from e
     import torch
 
     from jetrl_compile.models import load_model

@@ -13,10 +13,12 @@ import pytest
 PACKAGE = Path(__file__).resolve().parent.parent / "jetrl_compile"
 # wing -> the parts of our package it must not import (directly, at any depth of a function)
 FORBIDDEN = {
-    "runtime": {"passes", "rollout", "rl", "unify", "state", "models"},
-    "passes": {"rollout", "rl"},
-    "rollout": {"passes", "rl"},
-    "recipes": {"runtime", "passes", "rollout", "rl", "unify", "state", "models"},
+    "runtime": {"passes", "rollout", "rl", "integrations", "unify", "state", "models"},
+    "passes": {"rollout", "rl", "integrations"},
+    "rollout": {"passes", "rl", "integrations"},
+    "rl": {"integrations"},
+    "integrations": {"passes", "rl"},  # a host trains with its own loop, on our model and engine
+    "recipes": {"runtime", "passes", "rollout", "rl", "integrations", "unify", "state", "models"},
 }
 
 
@@ -61,8 +63,8 @@ def _run_fresh(code: str) -> list[str]:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-NEVER_ON_IMPORT = ("torch._inductor", "torch._dynamo", "transformers", "jetrl_compile.passes", "jetrl_compile.rl",
-                   "jetrl_compile.rollout")
+NEVER_ON_IMPORT = ("torch._inductor", "torch._dynamo", "transformers", "trl", "jetrl_compile.passes",
+                   "jetrl_compile.rl", "jetrl_compile.rollout", "jetrl_compile.integrations")
 
 
 def test_importing_the_package_loads_no_compiler_rl_or_engine():

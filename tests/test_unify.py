@@ -325,6 +325,27 @@ def test_eager_mode_and_restore():
     jetrl_compile.unify(model, "bf16", mode="eager")  # unify again after restore is fine
 
 
+def test_eager_mode_keeps_the_recipe_under_gradient_checkpointing():
+    """transformers' gradient checkpointing recomputes each layer in the backward; eager mode's
+    patched linears recompute the recipe's FP8 forward and run its BF16 backward, so the gradients
+    are bitwise those without checkpointing (and not the plain model's)."""
+    ids = _ids(2, 12)
+
+    def grads(unified: bool, checkpointing: bool) -> list[torch.Tensor]:
+        model = tiny_model("llama", layers=2)
+        if unified:
+            jetrl_compile.unify(model, "fp8_fwd_bf16_bwd", mode="eager")
+        if checkpointing:
+            model.gradient_checkpointing_enable()
+        model.train()
+        model(ids, labels=ids).loss.backward()
+        return [p.grad for p in model.parameters()]
+
+    plain, straight, recomputed = grads(False, False), grads(True, False), grads(True, True)
+    assert all(torch.equal(a, b) for a, b in zip(straight, recomputed))
+    assert not all(torch.equal(a, b) for a, b in zip(plain, straight)), "the recipe changes the gradients"
+
+
 def test_clear_errors():
     model = tiny_model("llama")
     with pytest.raises(ValueError, match="recipe 'fp16' is unknown; choose one of"):

@@ -9,8 +9,9 @@ mode it makes the whole vLLM model exact (``vllm_exact``). ``HfEngine`` samples
 with transformers' ``generate`` on the unified model itself, for machines without vLLM. Both
 have the same interface; ``make_engine`` picks one.
 
-Logprobs are "raw": ``log_softmax`` of the model's logits before temperature or other sampling
-processors, which is what the trainer recomputes.
+Logprobs are "raw" by default: ``log_softmax`` of the model's logits before temperature or other
+sampling processors, which is what our trainer recomputes (TRL recomputes them after temperature:
+``VllmEngine(logprobs_mode="processed_logprobs")``).
 """
 
 from __future__ import annotations
@@ -69,6 +70,10 @@ class RolloutEngine:
         pass
 
 
+# the vLLM logprobs an engine reports: before any sampling processor, or after temperature
+LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")
+
+
 def vllm_available() -> bool:
     """Whether vLLM is installed. Not whether it imports: an install that is present but broken
     (e.g. CUDA torchvision on a CPU machine) must fail loudly with its import error when an engine
@@ -113,10 +118,15 @@ class VllmEngine(RolloutEngine):
         eos_token_id: int | None = None,
         pad_token_id: int | None = None,
         in_process: bool = True,
+        logprobs_mode: str = "raw_logprobs",
     ):
         """``in_process=False`` runs vLLM's engine core in its own process (what ``vllm serve``
         does); ``sync`` then rewrites the export's weights file and has the worker reload it, and
-        exact mode and ``worker``/``vllm_model`` (which reach into the model) are not available."""
+        exact mode and ``worker``/``vllm_model`` (which reach into the model) are not available.
+        ``logprobs_mode="processed_logprobs"`` reports logprobs after temperature (what TRL
+        recomputes) instead of the raw ones our trainer recomputes."""
+        if logprobs_mode not in LOGPROBS_MODES:
+            raise ValueError(f"logprobs_mode {logprobs_mode!r} is unknown; choose one of {', '.join(LOGPROBS_MODES)}")
         self.recipe, _ = rollout_recipe_and_cache(model, recipe)
         self.in_process = in_process
         self._recipe_arg = recipe
@@ -161,7 +171,7 @@ class VllmEngine(RolloutEngine):
                 max_model_len=max_model_len,
                 max_num_batched_tokens=self.max_num_batched_tokens,
                 seed=seed,
-                logprobs_mode="raw_logprobs",
+                logprobs_mode=logprobs_mode,
             )
         self._exact = None
         if self.exact:  # before any request: the model computes exact mode's function from the start
