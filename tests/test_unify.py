@@ -346,6 +346,23 @@ def test_eager_mode_keeps_the_recipe_under_gradient_checkpointing():
     assert not all(torch.equal(a, b) for a, b in zip(plain, straight)), "the recipe changes the gradients"
 
 
+def test_compile_mode_refuses_gradient_checkpointing():
+    """Under checkpointing the layers run outside the compiled graphs as plain modules (the
+    gradients would be the plain model's, bitwise): the compile is refused, naming the fixes."""
+    model = tiny_model("llama", layers=1)
+    jetrl_compile.unify(model, "fp8_fwd_bf16_bwd", compiler="aot_eager")
+    model.gradient_checkpointing_enable()
+    model.train()
+    ids = _ids(1, 8)
+    with pytest.raises(Exception, match=r"gradient_checkpointing_disable\(\), or unify with mode='eager'"):
+        model(ids, labels=ids)
+    model.eval()  # transformers checkpoints only while training
+    with torch.no_grad():
+        model(ids)
+    (report,) = jetrl_compile.precision_report(model)
+    assert {r["fprop"] for r in report["linears"] if r["module"] != "lm_head"} == {"fp8"}
+
+
 def test_clear_errors():
     model = tiny_model("llama")
     with pytest.raises(ValueError, match="recipe 'fp16' is unknown; choose one of"):

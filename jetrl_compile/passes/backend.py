@@ -93,6 +93,7 @@ class JetrlBackend:
         self.dump_folder = dump.model_folder(state.recipe.name)
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs):
+        _refuse_gradient_checkpointing(self.model)
         state, recipe = self.state, self.state.recipe
         record = self._new_record(str(gm.meta.get("dynamo_compile_id", "")))
         table = _param_table(self.model)
@@ -185,6 +186,20 @@ class JetrlBackend:
             name = "aot_backward" if backward else ("aot_forward_inference" if inference else "aot_forward")
             dump.write_graph(self.dump_folder, record.graph_id, name, aot_gm)
             dump.write_report(self.dump_folder, record.graph_id, record.report(self.state.recipe))
+
+
+def _refuse_gradient_checkpointing(model: nn.Module) -> None:
+    """transformers' gradient checkpointing (on while training) calls each decoder layer through
+    ``torch.utils.checkpoint``, where Dynamo breaks the graph: the layers then run eagerly as plain
+    modules, forward and recomputed backward, and the recipe would silently not apply (measured:
+    gradients bitwise the plain model's). Refuse when Dynamo compiles such a call."""
+    if model.training and getattr(model, "is_gradient_checkpointing", False):
+        raise ValueError(
+            "unify(mode='compile') cannot run under gradient checkpointing: transformers calls each layer "
+            "through torch.utils.checkpoint, outside the compiled graphs, where its linears would run as plain "
+            "nn.Linear; call model.gradient_checkpointing_disable(), or unify with mode='eager' (its patched "
+            "linears keep the recipe when a layer is recomputed)"
+        )
 
 
 def _static_fakes(tensors: list[torch.Tensor], example_inputs) -> list[torch.Tensor]:
