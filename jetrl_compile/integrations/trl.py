@@ -46,6 +46,7 @@ import contextlib
 import copy
 
 import torch.nn as nn
+import trl
 from trl import GRPOConfig, GRPOTrainer
 
 from ..rollout.engines import VllmEngine
@@ -54,6 +55,10 @@ from ..unify import rollout_forward
 
 # TRL's colocated vLLM logs these from the sampler's and the trainer's logprobs
 MISMATCH_METRICS = ("sampling/sampling_logp_difference/mean", "sampling/sampling_logp_difference/max")
+# the TRL release this host was written and tested against (the trl extra pins it), and the
+# GRPOTrainer internals it relies on besides the public constructor
+WRITTEN_FOR = "1.16.0"
+_TRL_HOOKS = ("_generate_single_turn", "eos_token_ids", "vllm_generation", "_last_loaded_step")
 
 
 class UnifiedGRPOTrainer(GRPOTrainer):
@@ -73,6 +78,7 @@ class UnifiedGRPOTrainer(GRPOTrainer):
         trl_args = copy.copy(args)
         trl_args.use_vllm = False
         super().__init__(model, reward_funcs, args=trl_args, **kwargs)
+        _check_trl(self)
         if self.accelerator.num_processes > 1:
             raise ValueError("UnifiedGRPOTrainer runs in one process for now: launch it without accelerate/torchrun")
         self.args = args
@@ -133,6 +139,20 @@ class ColocatedEngine:
             [list(c.token_ids) for c in completions],
             [[[step[tok].logprob] for tok, step in zip(c.token_ids, c.logprobs)] for c in completions],
             [[[tok] for tok in c.token_ids] for c in completions],
+        )
+
+
+def _check_trl(trainer: GRPOTrainer) -> None:
+    """The names this host uses inside GRPOTrainer exist (``vllm_generation`` and
+    ``_last_loaded_step`` are set only on TRL's vLLM path, so they are looked up in its source)."""
+    import inspect
+
+    source = inspect.getsource(GRPOTrainer)
+    missing = [name for name in _TRL_HOOKS if not hasattr(trainer, name) and f"self.{name}" not in source]
+    if missing:
+        raise RuntimeError(
+            f"jetrl_compile.integrations.trl was written for TRL {WRITTEN_FOR}; the installed TRL {trl.__version__} "
+            f"has no GRPOTrainer.{', '.join(missing)}. Install the trl extra (pip install -e '.[trl]')"
         )
 
 

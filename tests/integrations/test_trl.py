@@ -109,3 +109,11 @@ def test_a_model_that_is_not_unified_is_refused():
         UnifiedGRPOTrainer(model=tiny_model("llama", layers=1), reward_funcs=low_ids_reward)
     with pytest.raises(ValueError, match="not 'HuggingFaceTB/SmolLM2-135M'"):
         UnifiedGRPOTrainer(model="HuggingFaceTB/SmolLM2-135M", reward_funcs=low_ids_reward)
+
+
+def test_a_trl_without_the_internals_the_host_uses_is_named(monkeypatch):
+    from jetrl_compile.integrations import trl as host
+
+    monkeypatch.setattr(host, "_TRL_HOOKS", (*host._TRL_HOOKS, "_no_such_hook"))
+    with pytest.raises(RuntimeError, match=r"written for TRL 1\.16\.0.*has no GRPOTrainer\._no_such_hook"):
+        host._check_trl(object())
