@@ -27,6 +27,9 @@ come from is TRL's choice:
   sampling correction as for any vLLM run.
 - ``vllm_mode="server"`` is refused: TRL's server receives full-precision weights over NCCL.
 
+TRL scores left-padded prompts without position ids; the trainer gives the model a forward
+pre-hook (``positions_from_mask``) that numbers each row from its first token, as vLLM does.
+
 Precision stays the recipe's, so two of GRPOConfig's defaults are refused where they would leave
 it: ``bf16=True`` runs the forward under autocast, which recasts every op the recipe leaves alone
 (the logits head, attention): load the model in the dtype you want and pass ``bf16=False``. And
@@ -45,6 +48,7 @@ from __future__ import annotations
 import contextlib
 import copy
 
+import torch
 import torch.nn as nn
 import trl
 from trl import GRPOConfig, GRPOTrainer
@@ -83,6 +87,7 @@ class UnifiedGRPOTrainer(GRPOTrainer):
             raise ValueError("UnifiedGRPOTrainer runs in one process for now: launch it without accelerate/torchrun")
         self.args = args
         self.unified_model = model
+        self._positions_hook = model.register_forward_pre_hook(positions_from_mask, with_kwargs=True)
         if args.use_vllm:
             self.vllm_generation = ColocatedEngine(model, args, self.eos_token_ids, engine_options or {})
             self.use_vllm = True
@@ -95,9 +100,23 @@ class UnifiedGRPOTrainer(GRPOTrainer):
             return super()._generate_single_turn(*args, **kwargs)
 
     def close(self) -> None:
-        """Stop the colocated vLLM engine, if any (the trainer's process keeps running)."""
+        """Stop the colocated vLLM engine, if any, and take the position hook off the model."""
+        self._positions_hook.remove()
         if self.use_vllm:
             self.vllm_generation.engine.close()
+
+
+def positions_from_mask(module: nn.Module, args: tuple, kwargs: dict):
+    """A forward pre-hook: position ids counted from each row's first unmasked token when the
+    caller passes none. GRPOTrainer scores left-padded prompts without position ids, so
+    transformers numbers every row from its first pad and a shorter prompt's tokens sit at shifted
+    positions; vLLM (and ``generate``) number each prompt from its first token. The two are the
+    same function only in exact arithmetic: on the default model in exact mode, the shifted
+    rows' logprobs differed from vLLM's by up to 0.8, and by float32 rounding with the ids."""
+    mask, ids = kwargs.get("attention_mask"), kwargs.get("input_ids", args[0] if args else None)
+    if kwargs.get("position_ids") is None and isinstance(mask, torch.Tensor) and mask.dim() == 2 and ids is not None:
+        kwargs["position_ids"] = (mask.long().cumsum(-1) - 1).clamp(min=0)[:, -ids.shape[-1]:]
+    return args, kwargs
 
 
 class ColocatedEngine:

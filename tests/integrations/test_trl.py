@@ -117,3 +117,23 @@ def test_a_trl_without_the_internals_the_host_uses_is_named(monkeypatch):
     monkeypatch.setattr(host, "_TRL_HOOKS", (*host._TRL_HOOKS, "_no_such_hook"))
     with pytest.raises(RuntimeError, match=r"written for TRL 1\.16\.0.*has no GRPOTrainer\._no_such_hook"):
         host._check_trl(object())
+
+
+def test_left_padded_rows_are_numbered_from_their_first_token(tmp_path):
+    """GRPOTrainer scores left-padded prompts without position ids; while the host trains, the
+    model numbers each row from its first token (vLLM's positions), the first pad otherwise."""
+    model = jetrl_compile.unify(tiny_model("llama", layers=1), "fp8_fwd_bf16_bwd", mode="eager")
+    seen = []
+    model.model.rotary_emb.register_forward_pre_hook(lambda m, a, kw: seen.append(kw["position_ids"].clone()),
+                                                     with_kwargs=True)
+    ids = torch.randint(3, 256, (2, 6))
+    mask = torch.tensor([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]])
+    trainer = UnifiedGRPOTrainer(model=model, reward_funcs=low_ids_reward, processing_class=word_tokenizer(),
+                                 args=GRPOConfig(output_dir=str(tmp_path), bf16=False, report_to=[]),
+                                 train_dataset=Dataset.from_list([{"prompt": "w5 w6"}]))
+    with torch.no_grad():
+        model(input_ids=ids, attention_mask=mask)
+        trainer.close()
+        model(input_ids=ids, attention_mask=mask)
+    assert seen[0].tolist() == [[0, 0, 0, 1, 2, 3], [0, 1, 2, 3, 4, 5]]
+    assert seen[1].tolist() == [[0, 1, 2, 3, 4, 5]], "closing the trainer takes the hook off"
