@@ -39,20 +39,10 @@ def main():
     import torch
 
     from jetrl_compile.models import load_model
-    from jetrl_compile.rl.tasks import INSTRUCTION, ArithmeticTask, reward
+    from jetrl_compile.rl.tasks import ArithmeticTask, answer_reward, conversational_rows
 
     model, tok = load_model(dtype=torch.bfloat16)
-    task = ArithmeticTask(seed=0)
-    problems = [task.sample() for _ in range(args.batch_size * args.steps)]
-    data = Dataset.from_list([
-        {"prompt": [{"role": "user", "content": f"{INSTRUCTION}\n\n{p.question}"}], "answer": p.answer}
-        for p in problems
-    ])
-
-    def arithmetic_reward(completions, answer, **_):
-        from jetrl_compile.rl.tasks import Problem
-
-        return [reward(c[0]["content"], Problem("", a))[0] for c, a in zip(completions, answer)]
+    data = Dataset.from_list(conversational_rows(ArithmeticTask(seed=0), args.batch_size * args.steps))
 
     class StepTimer(TrainerCallback):
         def __init__(self):
@@ -75,7 +65,7 @@ def main():
         max_completion_length=args.max_new_tokens, temperature=1.0, beta=0.0, logging_steps=1, report_to=[],
         use_cpu=True, bf16=False, save_strategy="no", seed=0,
     )
-    trainer = GRPOTrainer(model=model, processing_class=tok, reward_funcs=[arithmetic_reward], args=config,
+    trainer = GRPOTrainer(model=model, processing_class=tok, reward_funcs=[answer_reward], args=config,
                           train_dataset=data, callbacks=[timer])
     trainer.train()
     timed = timer.times[1:] or timer.times

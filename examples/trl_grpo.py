@@ -62,21 +62,13 @@ def run(args):
 
     from jetrl_compile.integrations.trl import UnifiedGRPOTrainer  # jetrl: the trainer
     from jetrl_compile.models import DEFAULT_MODEL, load_model
-    from jetrl_compile.rl.tasks import INSTRUCTION, ArithmeticTask, Problem, reward
+    from jetrl_compile.rl.tasks import ArithmeticTask, answer_reward, conversational_rows
 
     model, tokenizer = load_model(args.model or DEFAULT_MODEL, dtype=torch.float32)  # FP32 master weights
     model = jetrl_compile.unify(model, recipe=args.recipe, mode=args.mode, dynamic=True,  # jetrl: one precision flow
                                 exact=args.exact)
 
-    task = ArithmeticTask(seed=args.seed)
-    problems = [task.sample() for _ in range(args.batch_size * args.steps)]
-    dataset = Dataset.from_list([
-        {"prompt": [{"role": "user", "content": f"{INSTRUCTION}\n\n{p.question}"}], "answer": p.answer}
-        for p in problems
-    ])
-
-    def arithmetic_reward(completions, answer, **_):
-        return [reward(c[0]["content"], Problem("", a))[0] for c, a in zip(completions, answer)]
+    dataset = Dataset.from_list(conversational_rows(ArithmeticTask(seed=args.seed), args.batch_size * args.steps))
 
     config = GRPOConfig(
         output_dir=args.out, max_steps=args.steps, learning_rate=args.lr, seed=args.seed,
@@ -86,7 +78,7 @@ def run(args):
         use_vllm=args.generation == "vllm", vllm_mode="colocate",
         logging_steps=1, report_to=[] if args.report_to == "none" else [args.report_to], save_strategy="no",
     )
-    trainer = UnifiedGRPOTrainer(model=model, reward_funcs=[arithmetic_reward], args=config,
+    trainer = UnifiedGRPOTrainer(model=model, reward_funcs=[answer_reward], args=config,
                                  train_dataset=dataset, processing_class=tokenizer)
     try:
         trainer.train()

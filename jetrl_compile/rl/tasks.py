@@ -97,12 +97,27 @@ class Task:
         """The chat prompt: instruction and problem in the user message (SmolLM2 follows the
         answer format far better there than as a system message, measured). Tokenizers without
         a chat template get plain text."""
-        messages = [{"role": "user", "content": f"{INSTRUCTION}\n\n{problem.question}"}]
         if getattr(tokenizer, "chat_template", None):
-            ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+            ids = tokenizer.apply_chat_template(chat_messages(problem), add_generation_prompt=True, tokenize=True)
             ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
             return list(ids)
         return tokenizer(f"{INSTRUCTION}\n\n{problem.question}\nReply:")["input_ids"]
+
+
+def chat_messages(problem: Problem) -> list[dict]:
+    """The one user turn of every prompt: the instruction, then the problem."""
+    return [{"role": "user", "content": f"{INSTRUCTION}\n\n{problem.question}"}]
+
+
+def conversational_rows(task: Task, n: int) -> list[dict]:
+    """``n`` problems of ``task`` as rows of a conversational dataset (``prompt`` messages and
+    the reference ``answer``), the form TRL's trainers take; score them with ``answer_reward``."""
+    return [{"prompt": chat_messages(p), "answer": p.answer} for p in (task.sample() for _ in range(n))]
+
+
+def answer_reward(completions: list, answer: list[str], **_) -> list[float]:
+    """A TRL reward function: ``reward`` of each completion (a list of messages) against its row's answer."""
+    return [reward(c[0]["content"], Problem("", a))[0] for c, a in zip(completions, answer)]
 
 
 _NAMES = ["Ana", "Ben", "Chen", "Dara", "Eli", "Fatima", "Goro", "Hana", "Ivan", "Jade"]

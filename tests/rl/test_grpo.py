@@ -15,7 +15,16 @@ from jetrl_compile.rl.checkpoint import latest_checkpoint
 from jetrl_compile.rl.config import GrpoConfig
 from jetrl_compile.rl.grpo import clipped_policy_loss, group_advantages
 from jetrl_compile.rl.loop import train
-from jetrl_compile.rl.tasks import ArithmeticTask, Gsm8kTask, Problem, extract_answer, gsm8k_reference, reward
+from jetrl_compile.rl.tasks import (
+    ArithmeticTask,
+    Gsm8kTask,
+    Problem,
+    answer_reward,
+    conversational_rows,
+    extract_answer,
+    gsm8k_reference,
+    reward,
+)
 from tests.conftest import VLLM_TINY, ByteTokenizer, requires_vllm, tiny_model
 
 REQUIRED = ["step", "reward_mean", "accuracy", "mismatch_kl", "logprob_abs_diff_mean", "rollout_s", "train_s", "sync_s",
@@ -287,6 +296,20 @@ def test_arithmetic_task_is_seeded_and_resumable():
     assert [c.sample() for _ in range(3)] == nxt
     for p in ArithmeticTask(seed=1, difficulty=3).eval_problems(20):
         assert p.answer.lstrip("-").isdigit()
+
+
+def test_conversational_rows_and_their_reward_function():
+    """The rows other trainers (TRL) take: the same problems as the task's stream, each scored
+    against its own answer."""
+    rows = conversational_rows(ArithmeticTask(seed=3), 4)
+    stream = ArithmeticTask(seed=3)
+    problems = [stream.sample() for _ in range(4)]
+    assert [r["answer"] for r in rows] == [p.answer for p in problems]
+    assert all(p.question in r["prompt"][0]["content"] for p, r in zip(problems, rows))
+    replies = [[{"role": "assistant", "content": f"Answer: {r['answer']}"}] for r in rows]
+    replies[1] = [{"role": "assistant", "content": "no idea"}]
+    scores = answer_reward(replies, [r["answer"] for r in rows])
+    assert scores[0] == reward(f"Answer: {rows[0]['answer']}", problems[0])[0] > scores[1] == 0.0
 
 
 def test_help_documents_every_flag():
