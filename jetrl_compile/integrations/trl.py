@@ -37,9 +37,10 @@ it: ``bf16=True`` runs the forward under autocast, which recasts every op the re
 layer outside the compiled graphs, where its linears are plain ``nn.Linear`` again; eager mode
 (``unify(mode="eager")``) keeps the recipe through the recomputation. GRPOTrainer computes
 logprobs with its own fused LM head from ``lm_head.weight`` (tiled, in the weight's dtype), so the
-logits head is never quantized here (``include_lm_head=True`` is refused), and exact mode's logits
-are bitwise vLLM's but TRL's log-softmax is not ours: its logprobs differ from the engine's in the
-last float32 bit.
+logits head is never quantized here (``include_lm_head=True`` is refused). In exact mode
+everything below the head is the engine's function, but TRL's head GEMM and log-softmax are not
+ours, so its logprobs differ from the engine's by float32 rounding (about 1e-5 per token on the
+default model), not zero.
 One process only for now (no DDP/FSDP, no tensor parallel vLLM), and no PEFT adapters.
 """
 
@@ -186,13 +187,13 @@ def _check_model(model) -> None:
 
 def _check_args(model: nn.Module, args: GRPOConfig, kwargs: dict, engine_options: dict | None) -> None:
     """Refuse, by name and with the fix, what would make TRL train off the recipe."""
-    problems = []
-    if unified_state(model).recipe.include_lm_head:
+    state, problems = unified_state(model), []
+    if state.recipe.include_lm_head:
         problems.append(
             "include_lm_head=True: GRPOTrainer computes logprobs from lm_head.weight with its own fused head, "
             "never through the quantized module; unify without include_lm_head"
         )
-    if args.gradient_checkpointing and unified_state(model).mode == "compile":
+    if args.gradient_checkpointing and state.mode == "compile":
         problems.append(
             "gradient_checkpointing=True (TRL's default) recomputes each layer outside the compiled graphs, "
             "where its linears would run in the model's dtype: pass gradient_checkpointing=False, or unify "
