@@ -63,7 +63,7 @@ def unify(
         raise ValueError(f"unify mode {mode!r} is unknown; choose one of {', '.join(MODES)}")
     if compiler not in COMPILERS:
         raise ValueError(f"unify compiler {compiler!r} is unknown; choose one of {', '.join(COMPILERS)}")
-    state = UnifiedState(recipe=r, mode=mode, exact=bool(exact))
+    state = UnifiedState(recipe=r, mode=mode, exact=bool(exact), cache=WeightCache(model))
     if mode == "compile":
         from .passes.backend import JetrlBackend
 
@@ -129,6 +129,11 @@ def precision_report(model: nn.Module) -> list[dict]:
 def _check_model(model) -> None:
     if not isinstance(model, nn.Module):
         raise TypeError(f"unify takes a torch.nn.Module (a HuggingFace causal LM); got {type(model).__name__}")
+    if isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
+        raise TypeError(
+            f"unify got a {type(model).__name__} wrapper; unify the model first, then wrap it: "
+            f"{type(model).__name__}(jetrl_compile.unify(model, ...)) (FSDP2's fully_shard may come before or after)"
+        )
     if hasattr(model, STATE_ATTR):
         prev = getattr(model, STATE_ATTR).recipe.name
         raise RuntimeError(

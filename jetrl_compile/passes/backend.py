@@ -94,6 +94,7 @@ class JetrlBackend:
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs):
         _refuse_gradient_checkpointing(self.model)
+        _refuse_ddp_optimizer()
         state, recipe = self.state, self.state.recipe
         record = self._new_record(str(gm.meta.get("dynamo_compile_id", "")))
         table = _param_table(self.model)
@@ -178,6 +179,7 @@ class JetrlBackend:
         # FP8 operands (their values are exactly the FP8 payload times its power-of-two scale).
         fp8_inputs = {s.dequantized_input for s in record.rewrite.rewritten} - {None}
         gemms = gemms_in_graph(aot_gm, "backward" if backward else "forward", fp8_inputs)
+        _qualify_module_names(gemms, {site.module for site in record.rewrite.sites})
         if backward:
             record.backward, record.backward_has_fp8 = gemms, graph_has_fp8(aot_gm)
         else:
@@ -186,6 +188,19 @@ class JetrlBackend:
             name = "aot_backward" if backward else ("aot_forward_inference" if inference else "aot_forward")
             dump.write_graph(self.dump_folder, record.graph_id, name, aot_gm)
             dump.write_report(self.dump_folder, record.graph_id, record.report(self.state.recipe))
+
+
+def _qualify_module_names(gemms: list[GemmRecord], modules: set[str]) -> None:
+    """Name each GEMM's module as the model does. A graph traced from a submodule's frame (FSDP2's
+    hooks break the graph at every sharded module, so each decoder layer is its own graph) names
+    modules relative to it (``self_attn.q_proj``); the one site of this graph whose qualified name
+    ends with that path is the module (``model.layers.0.self_attn.q_proj``)."""
+    for gemm in gemms:
+        if gemm.module in modules:
+            continue
+        matches = [m for m in modules if m.endswith("." + gemm.module)]
+        if len(matches) == 1:
+            gemm.module = matches[0]
 
 
 def _refuse_gradient_checkpointing(model: nn.Module) -> None:
@@ -199,6 +214,24 @@ def _refuse_gradient_checkpointing(model: nn.Module) -> None:
             "through torch.utils.checkpoint, outside the compiled graphs, where its linears would run as plain "
             "nn.Linear; call model.gradient_checkpointing_disable(), or unify with mode='eager' (its patched "
             "linears keep the recipe when a layer is recomputed)"
+        )
+
+
+def _refuse_ddp_optimizer() -> None:
+    """Under DDP, Dynamo's DDPOptimizer (``torch._dynamo.config.optimize_ddp``, on by default)
+    splits the graph at DDP's gradient buckets and hands this backend each piece with fake copies
+    of the parameters, so the pass cannot tell which inputs are weights: it would rewrite no
+    linear, and the model would train in its own precision. Refuse; with the option off, DDP's
+    reducer all-reduces the gradients of the whole compiled graph (no overlap with its backward)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    if DistributedDataParallel._get_active_ddp_module() is None:
+        return
+    if torch._dynamo.utils.get_optimize_ddp_mode() != "no_optimization":
+        raise RuntimeError(
+            "unify(mode='compile') under DistributedDataParallel needs torch._dynamo.config.optimize_ddp = False: "
+            "Dynamo's DDPOptimizer hands the backend fake copies of the parameters, and no linear would get the "
+            "recipe; set it before the first step, or unify with mode='eager'"
         )
 
 

@@ -1,7 +1,8 @@
 """Quantized weights, made once per optimizer step and shared by the trainer and the exporter.
 
 Each entry is keyed by the parameter and stamped with its version counter (bumped by every
-in-place update: optimizer steps, ``load_state_dict``, ``copy_``), its storage and its dtype. A
+in-place update: optimizer steps, ``load_state_dict``, ``copy_``), its storage and its dtype; a
+weight FSDP2 gathers from shards is stamped with its shard's version instead (``sharding``). A
 lookup whose stamp no longer matches re-quantizes; otherwise every micro-batch, every compiled
 graph and the vLLM exporter get the same (payload, scale) tensors, so rollout sees the bytes
 training used.
@@ -16,6 +17,7 @@ import torch
 
 from .invariant import FixedPoint
 from .quantize import Quantized, dequantize, quantize_blockwise
+from .sharding import ShardMap
 
 _FIXED_KINDS = ("fp8", "bf16", "raw")
 
@@ -28,14 +30,11 @@ class _Entry:
     dequantized: dict = field(default_factory=dict)  # dtype -> dequantize(*quantized, dtype)
 
 
-def _stamp(param: torch.Tensor) -> tuple:
-    return (param._version, param.data_ptr(), param.dtype, param.device, tuple(param.shape))
-
-
 class WeightCache:
     """FP8 128 x 128 block quantizations of parameters, refreshed when a parameter changes."""
 
-    def __init__(self):
+    def __init__(self, model: torch.nn.Module | None = None):
+        self.shards = ShardMap(model)  # FSDP2: a gathered weight's value comes from its shard
         self._entries: dict[int, _Entry] = {}
         self._fixed: dict[tuple[int, str], tuple[weakref.ref, tuple, FixedPoint]] = {}
         self.quantizations = 0  # how many times a weight was (re)quantized: for tests and logs
@@ -60,7 +59,7 @@ class WeightCache:
         (``"raw"``, for linears left unquantized)."""
         if kind not in _FIXED_KINDS:
             raise ValueError(f"fixed-point kind {kind!r} is unknown; choose one of {', '.join(_FIXED_KINDS)}")
-        key, stamp = (id(param), kind), _stamp(param)
+        key, stamp = (id(param), kind), self._stamp(param)
         held = self._fixed.get(key)
         if held is None or held[0]() is not param or held[1] != stamp:
             with torch.no_grad():
@@ -76,7 +75,7 @@ class WeightCache:
 
     def _entry(self, param: torch.Tensor) -> _Entry:
         entry = self._entries.get(id(param))
-        stamp = _stamp(param)
+        stamp = self._stamp(param)
         if entry is None or entry.param() is not param or entry.stamp != stamp:
             with torch.no_grad():
                 quantized = quantize_blockwise(param.detach())
@@ -84,6 +83,13 @@ class WeightCache:
             self._entries[id(param)] = entry
             self.quantizations += 1
         return entry
+
+    def _stamp(self, param: torch.Tensor) -> tuple:
+        """What changes when ``param``'s value may have: its version and storage, or, for a weight
+        FSDP2 gathered, its shard's (``runtime.sharding``); and the dtype, device and shape."""
+        shard = self.shards.shard_of(param)
+        source = (shard._version, id(shard)) if shard is not None else (param._version, param.data_ptr())
+        return (*source, param.dtype, param.device, tuple(param.shape))
 
     def nbytes(self) -> int:
         """Bytes held: FP8 payloads, float32 scales, dequantized copies and exact-mode operands."""

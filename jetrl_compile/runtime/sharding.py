@@ -1,0 +1,79 @@
+"""Which parameter a weight's value comes from when FSDP2 shards the model.
+
+FSDP2 (``torch.distributed.fsdp.fully_shard``) keeps each parameter as a shard (a DTensor the
+optimizer updates) and, before a module runs, all-gathers the shards into an unsharded parameter
+that the module's forward reads. That unsharded parameter is the same object every step, and
+FSDP2 refills it without bumping its version counter (the refill must not invalidate the copy
+autograd saved for backward), often into the same memory. So its version, storage and dtype say
+nothing about whether the weight changed: a cache keyed on them would keep serving the first
+step's quantization. The shard does say it: every optimizer step, ``load_state_dict`` or
+``copy_`` on it bumps its version. ``ShardMap`` finds the shard behind an unsharded parameter.
+
+Written for torch 2.13's FSDP2, whose parameter bookkeeping (``FSDPParam``) is not public API:
+``ShardMap`` reads it in one place and names the torch it was written for when it is missing.
+"""
+
+from __future__ import annotations
+
+import sys
+import weakref
+
+import torch
+import torch.nn as nn
+
+WRITTEN_FOR_TORCH = "2.13"
+
+
+def _fsdp_params(model: nn.Module):
+    """Every FSDP2 ``FSDPParam`` of ``model``'s modules (none unless FSDP2 is in use)."""
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    if fsdp is None:  # nothing imported FSDP2, so nothing in this process is sharded by it
+        return
+    for module in model.modules():
+        if not isinstance(module, fsdp.FSDPModule):
+            continue
+        try:
+            groups = module._get_fsdp_state()._fsdp_param_groups
+            params = [p for group in groups for p in group.fsdp_params]
+        except AttributeError as e:
+            raise RuntimeError(
+                f"jetrl_compile reads FSDP2's parameter bookkeeping to know when a sharded weight changed; this "
+                f"torch ({torch.__version__}) lacks {e.name!r} (written for torch {WRITTEN_FOR_TORCH}): pin torch "
+                f"{WRITTEN_FOR_TORCH} or report the torch version"
+            ) from e
+        yield from params
+
+
+class ShardMap:
+    """``shard_of(param)``: the FSDP2 shard an unsharded parameter of ``model`` is gathered
+    from, or ``None`` for a parameter FSDP2 does not manage (then the parameter is its own source).
+
+    The map is rebuilt when a parameter is seen for the first time: FSDP2 creates each unsharded
+    parameter at its first all-gather and keeps it after, so a module sharded after ``unify``
+    (or before) is found at the first lookup of its weights."""
+
+    def __init__(self, model: nn.Module | None = None):
+        self._model = weakref.ref(model) if model is not None else None
+        self._shards: dict[int, tuple[weakref.ref, weakref.ref]] = {}  # id(unsharded) -> (unsharded, shard)
+        self._seen: set[int] = set()
+
+    def shard_of(self, param: torch.Tensor) -> torch.Tensor | None:
+        if self._model is None:
+            return None
+        if id(param) not in self._seen:
+            self._rebuild()
+            self._seen.add(id(param))
+        held = self._shards.get(id(param))
+        if held is None or held[0]() is not param:
+            return None
+        return held[1]()
+
+    def _rebuild(self) -> None:
+        model = self._model() if self._model is not None else None
+        if model is None:
+            return
+        self._shards = {
+            id(p._unsharded_param): (weakref.ref(p._unsharded_param), weakref.ref(p.sharded_param))
+            for p in _fsdp_params(model)
+            if hasattr(p, "_unsharded_param")
+        }
