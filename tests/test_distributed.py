@@ -19,6 +19,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import jetrl_compile
+from jetrl_compile.rollout.export import rollout_tensors
 from tests.conftest import tiny_model
 
 STEPS, MICRO = 3, 2
@@ -62,14 +63,20 @@ def _result(model) -> dict:
     for name, value in model.state_dict().items():
         weights[name] = (value.full_tensor() if hasattr(value, "full_tensor") else value).detach().clone()
     state = jetrl_compile.unified_state(model)
+    export = {name: _bits(t) for name, t in rollout_tensors(model)}  # what an engine's sync would load
     rows = [row for report in jetrl_compile.precision_report(model) for row in report["linears"]]
     return {
         "weights": weights,
+        "export": export,
         "quantizations": state.cache.quantizations,
         "fprop": {row["module"]: row["fprop"] for row in rows},
         "backward": {row["module"]: (row["dgrad"], row["wgrad"]) for row in rows},
         "rewritten": sum(len(g.rewrite.rewritten) for g in state.graphs),
     }
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.uint8) if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) else t.clone()
 
 
 def _worker(rank, world, store, out, recipe, mode, parallel, unify_first, optimize_ddp):
@@ -121,8 +128,13 @@ def _assert_same_training(got: dict, ref: dict):
     assert len(moved) == len(start), "the reference left weights unchanged: the comparison would be vacuous"
     different = [n for n, w in got["weights"].items() if not torch.equal(w, ref["weights"][n])]
     assert not different, f"{len(different)} tensors differ from one process, e.g. {different[:3]}"
-    # each linear is quantized once per optimizer step, from the full weight
-    assert got["quantizations"] == ref["quantizations"] == LINEARS * STEPS
+    # each linear is quantized once per optimizer step, from the full weight (and once more for
+    # the export of the final weights), and exported as the forward used it
+    assert got["quantizations"] == ref["quantizations"] == LINEARS * (STEPS + 1)
+    assert got["export"].keys() == ref["export"].keys()
+    assert sum(t.dtype == torch.uint8 for t in got["export"].values()) == LINEARS
+    different = [n for n, t in got["export"].items() if not torch.equal(t, ref["export"][n])]
+    assert not different, f"the rank's export differs from one process's: {different[:3]}"
 
 
 def _assert_fp8_report(got: dict):

@@ -7,7 +7,8 @@ FSDP2 refills it without bumping its version counter (the refill must not invali
 autograd saved for backward), often into the same memory. So its version, storage and dtype say
 nothing about whether the weight changed: a cache keyed on them would keep serving the first
 step's quantization. The shard does say it: every optimizer step, ``load_state_dict`` or
-``copy_`` on it bumps its version. ``ShardMap`` finds the shard behind an unsharded parameter.
+``copy_`` on it bumps its version. ``ShardMap`` finds the shard behind an unsharded parameter;
+``gathered(model)`` makes every parameter whole for a reader outside the forward (the exporter).
 
 Written for torch 2.13's FSDP2, whose parameter bookkeeping (``FSDPParam``) is not public API:
 ``ShardMap`` reads it in one place and names the torch it was written for when it is missing.
@@ -15,6 +16,7 @@ Written for torch 2.13's FSDP2, whose parameter bookkeeping (``FSDPParam``) is n
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import weakref
 
@@ -77,3 +79,19 @@ class ShardMap:
             for p in _fsdp_params(model)
             if hasattr(p, "_unsharded_param")
         }
+
+
+@contextlib.contextmanager
+def gathered(model: nn.Module):
+    """Within this block every FSDP2-sharded module of ``model`` holds its unsharded parameters,
+    as during its forward (for reading all weights, e.g. to export them to the engine); on exit
+    they are sharded again. A collective: every rank must enter it. A no-op without FSDP2."""
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    modules = [m for m in model.modules() if fsdp is not None and isinstance(m, fsdp.FSDPModule)]
+    for module in modules:
+        module.unshard()
+    try:
+        yield model
+    finally:
+        for module in modules:
+            module.reshard()
