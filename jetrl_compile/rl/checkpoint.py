@@ -2,7 +2,8 @@
 
 One file holds everything the next step depends on, as plain data (loaded with
 ``weights_only=True``): FP32 master weights, optimizer state, the step, the task's data position
-and RNG state, torch's RNG state, and the run-defining settings (a checkpoint of another run is
+and RNG state, torch's RNG state (every rank's, in a data-parallel run, with the number of
+ranks), and the run-defining settings (a checkpoint of another run is
 refused, naming the setting that differs). Files are written to a temporary name and renamed, so a crash
 mid-write leaves the previous checkpoint intact; only the latest is kept (an FP32 model plus
 AdamW state is 12 bytes per parameter).
@@ -31,7 +32,14 @@ def latest_checkpoint(out: str | Path) -> Path | None:
     return files[-1] if files else None
 
 
-def save_checkpoint(out, step: int, model, optimizer, task_state: dict, run: dict, counters: dict) -> Path:
+def rng_state() -> tuple:
+    """This process's torch and Python RNG states, as a checkpoint stores them."""
+    return torch.get_rng_state(), random.getstate()
+
+
+def save_checkpoint(out, step: int, model, optimizer, task_state: dict, run: dict, counters: dict,
+                    rank_rng: list | None = None) -> Path:
+    """``rank_rng``: every rank's ``rng_state()`` in a data-parallel run (rank 0 writes)."""
     folder = checkpoint_dir(out)
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / f"step_{step:06d}.pt"
@@ -45,7 +53,10 @@ def save_checkpoint(out, step: int, model, optimizer, task_state: dict, run: dic
         "torch_rng": torch.get_rng_state(),
         "python_rng": random.getstate(),
         "counters": counters,
+        "ranks": len(rank_rng) if rank_rng else 1,
     }
+    if rank_rng:
+        state["rank_rng"] = [{"torch_rng": t, "python_rng": p} for t, p in rank_rng]
     tmp = path.with_suffix(".tmp")
     torch.save(state, tmp)
     os.replace(tmp, path)
@@ -55,8 +66,9 @@ def save_checkpoint(out, step: int, model, optimizer, task_state: dict, run: dic
     return path
 
 
-def load_checkpoint(path: Path, run: dict) -> dict:
-    """The checkpoint's state, after checking it belongs to the run ``run`` describes."""
+def load_checkpoint(path: Path, run: dict, ranks: int = 1) -> dict:
+    """The checkpoint's state, after checking it belongs to the run ``run`` describes, trained on
+    ``ranks`` data-parallel ranks."""
     try:
         # tensors, numbers, strings, lists, tuples and dicts only: a checkpoint from elsewhere
         # cannot run code on --resume
@@ -76,10 +88,17 @@ def load_checkpoint(path: Path, run: dict) -> dict:
                 f"checkpoint {path} belongs to another run: {key}={saved!r} there, {value!r} now; "
                 f"pass --{key.replace('_', '-')} {saved} to resume it, or use another --out"
             )
+    if state.get("ranks", 1) != ranks:
+        raise UsageValueError(
+            f"checkpoint {path} was written by a run on {state.get('ranks', 1)} rank(s), this one has {ranks}: "
+            "resume it with the same number of processes (each rank's sampling RNG is in it)"
+        )
     return state
 
 
-def restore_rng(state: dict) -> None:
-    torch.set_rng_state(state["torch_rng"])
-    version, internal, gauss = state["python_rng"]
+def restore_rng(state: dict, rank: int = 0) -> None:
+    """Restore the RNG states ``save_checkpoint`` stored: rank ``rank``'s in a data-parallel run."""
+    own = state["rank_rng"][rank] if "rank_rng" in state else state
+    torch.set_rng_state(own["torch_rng"])
+    version, internal, gauss = own["python_rng"]
     random.setstate((version, tuple(internal), gauss))

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from ..models import DEFAULT_MODEL
 from ..recipes import DEFAULT_RECIPE, RECIPES
 from .correction import LEVELS, MODES, RolloutCorrection
+from .parallel import PARALLEL
 from .report import REPORTS
 
 
@@ -36,6 +37,7 @@ class GrpoConfig:
     micro_batch: int = 16
     trainer_mode: str = "eager"
     exact: bool = False
+    parallel: str = "none"
     out: str = "runs/grpo"
     report_to: str = "none"
     eval_every: int = 0
@@ -91,6 +93,8 @@ HELP = {
                     "or compile (torch.compile with our pass: minutes of compile first)",
     "exact": "exact mode: rollout logprobs bitwise equal to the trainer's (mismatch 0.0 every step); "
              "eager trainer, either engine",
+    "parallel": "data parallelism under torchrun: none (one process) or ddp (each rank samples and trains on "
+                "its share of the prompts; start with torchrun --nproc-per-node N)",
     "out": "output folder: metrics.jsonl, metrics.png, checkpoints/",
     "report_to": "also log every step's metrics to: none, or tensorboard (event files in --out/tensorboard)",
     "eval_every": "every N steps, greedy accuracy on --limit held-out problems, logged as eval_accuracy (0: off)",
@@ -128,6 +132,8 @@ def add_arguments(parser: argparse.ArgumentParser, defaults: GrpoConfig | None =
             kwargs["choices"] = list(REPORTS)
         elif f.name == "trainer_mode":
             kwargs["choices"] = ["compile", "eager"]
+        elif f.name == "parallel":
+            kwargs["choices"] = list(PARALLEL)
         parser.add_argument(flag, **kwargs)
 
 

@@ -31,11 +31,13 @@ def group_logprobs(
     groups: list[list[list[int]]],
     *,
     pad_token_id: int = 0,
+    forward: nn.Module | None = None,
 ) -> list[torch.Tensor]:
     """``log p(c[t] | prompt, c[:t])`` under ``model`` for every completion ``c`` of every group
     (``groups[i]`` are completions of ``prompts[i]``), one float32 tensor per completion, in order
     (group by group). Differentiable (wrap in ``torch.no_grad()`` to only measure). Empty
-    completions give empty tensors."""
+    completions give empty tensors. ``forward``: the module to call when it wraps ``model``
+    (DDP around it); ``model`` itself by default."""
     if len(prompts) != len(groups):
         raise ValueError(f"group_logprobs: {len(prompts)} prompts but {len(groups)} groups")
     if any(not p for p in prompts):
@@ -44,7 +46,7 @@ def group_logprobs(
     _check_context_length(model, prompts, groups)
     ids, positions, segment, prompt_width = _pack(prompts, groups, pad_token_id)
     keep = torch.arange(prompt_width - 1, ids.shape[1] - 1)  # last prompt token .. last completion token
-    logits = model(
+    logits = (forward if forward is not None else model)(
         input_ids=ids.to(device), attention_mask=_attention_mask(model, segment).to(device),
         position_ids=positions.to(device), logits_to_keep=keep.to(device), use_cache=False,
     ).logits  # (rows, len(keep), V): kept position k is row position prompt_width - 1 + k

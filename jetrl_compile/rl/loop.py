@@ -30,15 +30,17 @@ from pathlib import Path
 
 import torch
 
-from ..errors import UsageFileExistsError, UsageFileNotFoundError
+from ..errors import UsageFileExistsError, UsageFileNotFoundError, UsageValueError
 from ..models import load_model
 from ..rollout.engines import Completion, make_engine
 from ..unify import unify
-from .checkpoint import latest_checkpoint, load_checkpoint, restore_rng, save_checkpoint
+from . import parallel
+from .checkpoint import latest_checkpoint, load_checkpoint, restore_rng, rng_state, save_checkpoint
 from .config import GrpoConfig
 from .grpo import clipped_policy_loss, group_advantages
 from .logprobs import group_logprobs
 from .mismatch import mismatch_metrics
+from .parallel import ONE_PROCESS, Ranks
 from .plot import plot_metrics
 from .report import make_report
 from .tasks import Problem, Task, make_task
@@ -67,9 +69,9 @@ def sample_prompts(task: Task, tokenizer, batch_size: int) -> tuple[list[Problem
     return problems, [task.prompt_ids(tokenizer, p) for p in problems]
 
 
-def rollout(engine, prompts, cfg: GrpoConfig, step: int, counters: dict) -> list[list[Completion]]:
+def rollout(engine, prompts, cfg: GrpoConfig, step: int, counters: dict, rank: int = 0) -> list[list[Completion]]:
     """G completions per prompt; an engine error is retried once, then raised as EngineFailure."""
-    seed = cfg.seed * 1_000_003 + step * 10_007
+    seed = cfg.seed * 1_000_003 + step * 10_007 + rank * 7_919
     for attempt in (1, 2):
         try:
             return engine.generate(prompts, n=cfg.group_size, max_new_tokens=cfg.max_new_tokens,
@@ -94,11 +96,16 @@ def score(task: Task, tokenizer, problems: list[Problem],
 
 
 def policy_update(model, optimizer, prompts, groups, advantages: torch.Tensor, cfg: GrpoConfig, pad_token_id: int,
-                  ref_model=None) -> UpdateStats:
+                  ref_model=None, ranks: Ranks = ONE_PROCESS, trainer=None) -> UpdateStats:
     """One optimizer step on the clipped policy loss, token-level mean over the whole batch,
     accumulated over micro-batches of whole groups (each prompt runs once for its G completions).
-    Refused (no step) if the loss or gradient is not finite."""
-    total_tokens = sum(len(c.token_ids) for g in groups for c in g)
+    Refused (no step) if the loss or gradient is not finite.
+
+    Data-parallel (``ranks``): ``prompts`` and ``groups`` are this rank's share, ``trainer`` is DDP
+    around ``model``; the loss is scaled so that DDP's average is the mean over every rank's tokens,
+    and the statistics are over the whole batch."""
+    trainer = trainer if trainer is not None else model
+    total_tokens = ranks.total(sum(len(c.token_ids) for g in groups for c in g))
     correction = cfg.correction()
     per_micro_batch = max(1, cfg.micro_batch // cfg.group_size)
     optimizer.zero_grad(set_to_none=True)
@@ -107,10 +114,12 @@ def policy_update(model, optimizer, prompts, groups, advantages: torch.Tensor, c
         mb = range(start, min(start + per_micro_batch, len(prompts)))
         kept = [[(j, c) for j, c in enumerate(groups[i]) if c.token_ids] for i in mb]  # empty ones add nothing
         if not any(kept):
+            if ranks.distributed:  # every rank must run as many backwards (DDP reduces in each)
+                trainer(input_ids=torch.tensor([prompts[mb.start]])).logits.sum().mul(0.0).backward()
             continue
         mb_prompts = [prompts[i] for i in mb]
         mb_groups = [[c.token_ids for _, c in row] for row in kept]
-        new = group_logprobs(model, mb_prompts, mb_groups, pad_token_id=pad_token_id)
+        new = group_logprobs(model, mb_prompts, mb_groups, pad_token_id=pad_token_id, forward=trainer)
         old = [torch.tensor(c.logprobs) for row in kept for _, c in row]
         adv = torch.stack([advantages[i, j] for i, row in zip(mb, kept) for j, _ in row])
         ref = None
@@ -122,17 +131,20 @@ def policy_update(model, optimizer, prompts, groups, advantages: torch.Tensor, c
                                         beta=cfg.beta, weights=correction.weights(new, old))
         else:
             parts = clipped_policy_loss(new, old, adv, clip_eps=cfg.clip_eps, ref_logprobs=ref, beta=cfg.beta)
-        (parts.loss_sum / total_tokens).backward()
+        (parts.loss_sum * ranks.world / total_tokens).backward()
         loss_sum += parts.loss_sum.item()
         clipped += parts.clipped
         new_all += [n.detach() for n in new]
         old_all += old
-        where += [(i, j) for i, row in zip(mb, kept) for j, _ in row]
+        where += [(ranks.rank * len(prompts) + i, j) for i, row in zip(mb, kept) for j, _ in row]
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_GRAD_NORM).item()
+    loss_sum, clipped = ranks.total(loss_sum), ranks.total(clipped)
     applied = math.isfinite(loss_sum) and math.isfinite(grad_norm)
     if applied:
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
+    if ranks.distributed:  # the statistics are over every rank's tokens
+        new_all, old_all, where = (sum(ranks.gather(x), []) for x in (new_all, old_all, where))
     return UpdateStats(applied, loss_sum / total_tokens, grad_norm, clipped / total_tokens,
                        mismatch_metrics(old_all, new_all), _first_difference(old_all, new_all, where),
                        correction.metrics(new_all, old_all))
@@ -159,7 +171,16 @@ def train(cfg: GrpoConfig, *, model=None, tokenizer=None, task: Task | None = No
         raise UsageFileExistsError(
             f"{out} already holds a run (checkpoints/); pass --resume to continue it or choose another --out"
         )
-    state = load_checkpoint(found, cfg.run_defining()) if cfg.resume else None
+    ranks = parallel.start(cfg.parallel, cfg.batch_size)
+    try:
+        return _train(cfg, ranks, found, model, tokenizer, task, progress)
+    finally:
+        parallel.stop(ranks)
+
+
+def _train(cfg: GrpoConfig, ranks: Ranks, found: Path | None, model, tokenizer, task, progress: bool) -> list[dict]:
+    out = Path(cfg.out)
+    state = load_checkpoint(found, cfg.run_defining(), ranks.world) if cfg.resume else None
     out.mkdir(parents=True, exist_ok=True)
     metrics_path = out / "metrics.jsonl"
     torch.manual_seed(cfg.seed)
@@ -169,6 +190,7 @@ def train(cfg: GrpoConfig, *, model=None, tokenizer=None, task: Task | None = No
     ref_model = _reference_copy(model, cfg) if cfg.beta else None
     unify(model, cfg.recipe, mode=cfg.trainer_mode, dynamic=True if cfg.trainer_mode == "compile" else None,
           exact=cfg.exact)
+    trainer = parallel.wrap(model, ranks)  # DDP around the unified model, or the model
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
 
     start, counters = 0, {"refused_steps": 0, "engine_retries": 0}
@@ -176,33 +198,48 @@ def train(cfg: GrpoConfig, *, model=None, tokenizer=None, task: Task | None = No
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         task.load_state_dict(state["task"])
-        restore_rng(state)
+        restore_rng(state, ranks.rank)
         start, counters = state["step"], state["counters"]
-        _truncate_metrics(metrics_path, start)
+        if ranks.main:
+            _truncate_metrics(metrics_path, start)
         log.info("resumed %s at step %d", found, start)
-    else:
+    elif ranks.main:
         metrics_path.write_text("")
-    (out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
+    if ranks.main:
+        (out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
 
-    report = make_report(cfg.report_to, out)
-    engine = _engine(model, tokenizer, cfg, out / "engine", pad, seed=cfg.seed)
-    bar = _progress(cfg, start) if progress else None
+    report = make_report(cfg.report_to if ranks.main else "none", out)
+    engine = _engine(model, tokenizer, cfg, out / (f"engine-rank{ranks.rank}" if ranks.distributed else "engine"),
+                     pad, seed=cfg.seed, ranks=ranks)
+    bar = _progress(cfg, start) if progress and ranks.main else None
     done = start
     task_state = task.state_dict()
 
-    def checkpoint() -> Path:  # the state after the last completed step
-        return save_checkpoint(out, done, model, optimizer, task_state, cfg.run_defining(), counters)
+    def checkpoint() -> Path | None:
+        """The state after the last completed step; a collective in a data-parallel run (every
+        rank's RNG goes into rank 0's file)."""
+        rank_rng = ranks.gather(rng_state()) if ranks.distributed else None
+        if not ranks.main:
+            return None
+        return save_checkpoint(out, done, model, optimizer, task_state, cfg.run_defining(), counters, rank_rng)
+
+    def checkpoint_on_failure() -> str:
+        if ranks.distributed:  # the other ranks may not reach a collective now; the last checkpoint stands
+            last = latest_checkpoint(out)
+            return f"the last checkpoint ({last}) stands" if last else "no checkpoint was written yet"
+        return f"checkpoint of step {done} written to {checkpoint()}"
 
     new_metrics = []
     try:
         for step in range(start, cfg.steps):
             t0 = time.perf_counter()
-            problems, prompts = sample_prompts(task, tokenizer, cfg.batch_size)
-            groups = rollout(engine, prompts, cfg, step, counters)
+            problems, prompts = sample_prompts(task, tokenizer, cfg.batch_size)  # alike on every rank
+            problems, prompts = ranks.share(problems), ranks.share(prompts)
+            groups = rollout(engine, prompts, cfg, step, counters, ranks.rank)
             t1 = time.perf_counter()
             rewards, correct = score(task, tokenizer, problems, groups)
-            advantages = group_advantages(rewards)
-            stats = policy_update(model, optimizer, prompts, groups, advantages, cfg, pad, ref_model)
+            advantages = group_advantages(rewards)  # per group: a group never spans ranks
+            stats = policy_update(model, optimizer, prompts, groups, advantages, cfg, pad, ref_model, ranks, trainer)
             done, task_state = step + 1, task.state_dict()  # from here a checkpoint holds this step
             t2 = time.perf_counter()
             sync_s = engine.sync(model) if stats.applied else 0.0
@@ -214,27 +251,29 @@ def train(cfg: GrpoConfig, *, model=None, tokenizer=None, task: Task | None = No
                 log.warning("step %d is NOT exact: prompt %d, sample %d first differs at token %d (max abs dlogp "
                             "%.3g); exact mode promises 0.0, please report this", done, *stats.first_difference,
                             stats.mismatch["logprob_abs_diff_max"])
-            row = _metrics_row(done, rewards, correct, groups, stats, t1 - t0, t2 - t1, sync_s, counters)
-            if cfg.eval_every and done % cfg.eval_every == 0:  # the engine holds this step's weights
-                row["eval_accuracy"] = greedy_accuracy(engine, task, tokenizer, cfg)[0]
-            report.log(row, done)
-            with metrics_path.open("a") as f:
-                f.write(json.dumps(row) + "\n")
-            new_metrics.append(row)
-            if bar is not None:
-                bar.update(1)
-                bar.set_postfix(reward=f"{row['reward_mean']:.3f}", acc=f"{row['accuracy']:.2f}",
-                                kl=f"{row['mismatch_kl']:.1e}", step_s=f"{row['step_s']:.1f}")
+            if ranks.distributed:  # the metrics are over the whole batch
+                rewards, correct = (torch.cat(ranks.gather(x)) for x in (rewards, correct))
+                groups = sum(ranks.gather(groups), [])
+            if ranks.main:
+                row = _metrics_row(done, rewards, correct, groups, stats, t1 - t0, t2 - t1, sync_s, counters)
+                if cfg.eval_every and done % cfg.eval_every == 0:  # the engine holds this step's weights
+                    row["eval_accuracy"] = greedy_accuracy(engine, task, tokenizer, cfg)[0]
+                report.log(row, done)
+                with metrics_path.open("a") as f:
+                    f.write(json.dumps(row) + "\n")
+                new_metrics.append(row)
+                if bar is not None:
+                    bar.update(1)
+                    bar.set_postfix(reward=f"{row['reward_mean']:.3f}", acc=f"{row['accuracy']:.2f}",
+                                    kl=f"{row['mismatch_kl']:.1e}", step_s=f"{row['step_s']:.1f}")
             if done % cfg.save_every == 0 or done == cfg.steps:
                 checkpoint()
-            if done % cfg.plot_every == 0 or done == cfg.steps:
+            if ranks.main and (done % cfg.plot_every == 0 or done == cfg.steps):
                 plot_metrics(metrics_path, out / "metrics.png", title=f"GRPO {cfg.recipe} ({cfg.task})")
     except KeyboardInterrupt:
-        path = checkpoint()
-        raise SystemExit(f"interrupted: checkpoint of step {done} written to {path}; continue with --resume") from None
+        raise SystemExit(f"interrupted: {checkpoint_on_failure()}; continue with --resume") from None
     except EngineFailure as e:
-        path = checkpoint()
-        raise SystemExit(f"{e}\ncheckpoint of step {done} written to {path}; continue with --resume") from e
+        raise SystemExit(f"{e}\n{checkpoint_on_failure()}; continue with --resume") from e
     finally:
         if bar is not None:
             bar.close()
@@ -250,6 +289,7 @@ def _metrics_row(step, rewards, correct, groups, stats: UpdateStats, rollout_s, 
         "step": step,
         "reward_mean": rewards.mean().item(),
         "accuracy": correct.mean().item(),
+        "completions": sum(len(g) for g in groups),
         "completion_tokens_mean": tokens / max(1, sum(len(g) for g in groups)),
         "mismatch_kl": stats.mismatch["mismatch_kl"],
         "logprob_abs_diff_mean": stats.mismatch["logprob_abs_diff_mean"],
@@ -289,9 +329,17 @@ def _setup(cfg: GrpoConfig, model, tokenizer, task):
     return model, tokenizer, task, pad
 
 
-def _engine(model, tokenizer, cfg: GrpoConfig, workdir: Path, pad: int, **kwargs):
+def _engine(model, tokenizer, cfg: GrpoConfig, workdir: Path, pad: int, ranks: Ranks = ONE_PROCESS, **kwargs):
     hf_tokenizer = tokenizer if hasattr(tokenizer, "save_pretrained") else None  # vLLM saves a real one
-    return make_engine(model, cfg.engine, tokenizer=hf_tokenizer, workdir=workdir,
+    engine = cfg.engine
+    if ranks.distributed:
+        if engine == "vllm":
+            raise UsageValueError(
+                f"--parallel {ranks.kind} samples with --engine hf for now: one in-process vLLM per torchrun rank "
+                "is not supported yet (docs/design.md, section 5.3)"
+            )
+        engine = "hf"
+    return make_engine(model, engine, tokenizer=hf_tokenizer, workdir=workdir,
                        eos_token_id=tokenizer.eos_token_id, pad_token_id=pad, **kwargs)
 
 
