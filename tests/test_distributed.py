@@ -63,7 +63,9 @@ def _result(model) -> dict:
     for name, value in model.state_dict().items():
         weights[name] = (value.full_tensor() if hasattr(value, "full_tensor") else value).detach().clone()
     state = jetrl_compile.unified_state(model)
-    export = {name: _bits(t) for name, t in rollout_tensors(model)}  # what an engine's sync would load
+    # what an engine's sync loads, read after the export returns (as engines do: FSDP2 frees the
+    # gathered weights when the export's block ends, so what it hands out must be copies)
+    export = {name: _bits(t) for name, t in list(rollout_tensors(model))}
     rows = [row for report in jetrl_compile.precision_report(model) for row in report["linears"]]
     return {
         "weights": weights,

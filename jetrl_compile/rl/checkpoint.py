@@ -39,7 +39,8 @@ def rng_state() -> tuple:
 
 def save_checkpoint(out, step: int, model, optimizer, task_state: dict, run: dict, counters: dict,
                     rank_rng: list | None = None) -> Path:
-    """``rank_rng``: every rank's ``rng_state()`` in a data-parallel run (rank 0 writes)."""
+    """``model`` and ``optimizer``: the objects, or their state dicts (a sharded run gathers them
+    first); ``rank_rng``: every rank's ``rng_state()`` in a data-parallel run (rank 0 writes)."""
     folder = checkpoint_dir(out)
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / f"step_{step:06d}.pt"
@@ -47,8 +48,8 @@ def save_checkpoint(out, step: int, model, optimizer, task_state: dict, run: dic
         "format": FORMAT,
         "step": step,
         "run": run,
-        "model": model.state_dict(),
-        "optimizer": optimizer.state_dict(),
+        "model": model if isinstance(model, dict) else model.state_dict(),
+        "optimizer": optimizer if isinstance(optimizer, dict) else optimizer.state_dict(),
         "task": task_state,
         "torch_rng": torch.get_rng_state(),
         "python_rng": random.getstate(),
@@ -66,9 +67,9 @@ def save_checkpoint(out, step: int, model, optimizer, task_state: dict, run: dic
     return path
 
 
-def load_checkpoint(path: Path, run: dict, ranks: int = 1) -> dict:
-    """The checkpoint's state, after checking it belongs to the run ``run`` describes, trained on
-    ``ranks`` data-parallel ranks."""
+def load_checkpoint(path: Path, run: dict, ranks: int | None = None) -> dict:
+    """The checkpoint's state, after checking it belongs to the run ``run`` describes (and, to
+    resume it, ``ranks``: that it was trained on that many data-parallel ranks)."""
     try:
         # tensors, numbers, strings, lists, tuples and dicts only: a checkpoint from elsewhere
         # cannot run code on --resume
@@ -88,10 +89,11 @@ def load_checkpoint(path: Path, run: dict, ranks: int = 1) -> dict:
                 f"checkpoint {path} belongs to another run: {key}={saved!r} there, {value!r} now; "
                 f"pass --{key.replace('_', '-')} {saved} to resume it, or use another --out"
             )
-    if state.get("ranks", 1) != ranks:
+    if ranks is not None and state.get("ranks", 1) != ranks:
         raise UsageValueError(
             f"checkpoint {path} was written by a run on {state.get('ranks', 1)} rank(s), this one has {ranks}: "
-            "resume it with the same number of processes (each rank's sampling RNG is in it)"
+            "resume it with the same number of processes (each rank's RNG state and share of the prompts "
+            "follow from it)"
         )
     return state
 

@@ -93,8 +93,8 @@ HELP = {
                     "or compile (torch.compile with our pass: minutes of compile first)",
     "exact": "exact mode: rollout logprobs bitwise equal to the trainer's (mismatch 0.0 every step); "
              "eager trainer, either engine",
-    "parallel": "data parallelism under torchrun: none (one process) or ddp (each rank samples and trains on "
-                "its share of the prompts; start with torchrun --nproc-per-node N)",
+    "parallel": "data parallelism under torchrun: none (one process), ddp or fsdp (FSDP2, each decoder layer "
+                "sharded); each rank samples and trains on its share of the prompts (torchrun --nproc-per-node N)",
     "out": "output folder: metrics.jsonl, metrics.png, checkpoints/",
     "report_to": "also log every step's metrics to: none, or tensorboard (event files in --out/tensorboard)",
     "eval_every": "every N steps, greedy accuracy on --limit held-out problems, logged as eval_accuracy (0: off)",

@@ -115,7 +115,8 @@ def policy_update(model, optimizer, prompts, groups, advantages: torch.Tensor, c
         kept = [[(j, c) for j, c in enumerate(groups[i]) if c.token_ids] for i in mb]  # empty ones add nothing
         if not any(kept):
             if ranks.distributed:  # every rank must run as many backwards (DDP reduces in each)
-                trainer(input_ids=torch.tensor([prompts[mb.start]])).logits.sum().mul(0.0).backward()
+                ids = torch.tensor([prompts[mb.start]], device=next(model.parameters()).device)
+                trainer(input_ids=ids).logits.sum().mul(0.0).backward()
             continue
         mb_prompts = [prompts[i] for i in mb]
         mb_groups = [[c.token_ids for _, c in row] for row in kept]
@@ -137,7 +138,8 @@ def policy_update(model, optimizer, prompts, groups, advantages: torch.Tensor, c
         new_all += [n.detach() for n in new]
         old_all += old
         where += [(ranks.rank * len(prompts) + i, j) for i, row in zip(mb, kept) for j, _ in row]
-    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_GRAD_NORM).item()
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_GRAD_NORM)
+    grad_norm = (grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm).item()  # FSDP2
     loss_sum, clipped = ranks.total(loss_sum), ranks.total(clipped)
     applied = math.isfinite(loss_sum) and math.isfinite(grad_norm)
     if applied:
@@ -195,8 +197,7 @@ def _train(cfg: GrpoConfig, ranks: Ranks, found: Path | None, model, tokenizer, 
 
     start, counters = 0, {"refused_steps": 0, "engine_retries": 0}
     if state is not None:
-        model.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
+        parallel.load_state_dicts(model, optimizer, state["model"], state["optimizer"], ranks)
         task.load_state_dict(state["task"])
         restore_rng(state, ranks.rank)
         start, counters = state["step"], state["counters"]
@@ -219,9 +220,11 @@ def _train(cfg: GrpoConfig, ranks: Ranks, found: Path | None, model, tokenizer, 
         """The state after the last completed step; a collective in a data-parallel run (every
         rank's RNG goes into rank 0's file)."""
         rank_rng = ranks.gather(rng_state()) if ranks.distributed else None
+        model_state, optimizer_state = parallel.state_dicts(model, optimizer, ranks)
         if not ranks.main:
             return None
-        return save_checkpoint(out, done, model, optimizer, task_state, cfg.run_defining(), counters, rank_rng)
+        return save_checkpoint(out, done, model_state, optimizer_state, task_state, cfg.run_defining(), counters,
+                               rank_rng)
 
     def checkpoint_on_failure() -> str:
         if ranks.distributed:  # the other ranks may not reach a collective now; the last checkpoint stands
@@ -254,10 +257,13 @@ def _train(cfg: GrpoConfig, ranks: Ranks, found: Path | None, model, tokenizer, 
             if ranks.distributed:  # the metrics are over the whole batch
                 rewards, correct = (torch.cat(ranks.gather(x)) for x in (rewards, correct))
                 groups = sum(ranks.gather(groups), [])
+            evaluated = None
+            if cfg.eval_every and done % cfg.eval_every == 0:  # every rank: under FSDP2 generating is a collective
+                evaluated = greedy_accuracy(engine, task, tokenizer, cfg)[0]  # the engine holds this step's weights
             if ranks.main:
                 row = _metrics_row(done, rewards, correct, groups, stats, t1 - t0, t2 - t1, sync_s, counters)
-                if cfg.eval_every and done % cfg.eval_every == 0:  # the engine holds this step's weights
-                    row["eval_accuracy"] = greedy_accuracy(engine, task, tokenizer, cfg)[0]
+                if evaluated is not None:
+                    row["eval_accuracy"] = evaluated
                 report.log(row, done)
                 with metrics_path.open("a") as f:
                     f.write(json.dumps(row) + "\n")

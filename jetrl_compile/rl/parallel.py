@@ -1,9 +1,11 @@
-"""Data parallelism for the GRPO driver: ``torchrun --nproc-per-node N ... --parallel ddp``.
+"""Data parallelism for the GRPO driver: ``torchrun --nproc-per-node N ... --parallel ddp|fsdp``.
 
 Every rank draws the same batch of prompts (the task stream is seeded alike) and keeps its share;
 it samples its share with its own engine, scores it and normalises rewards per group (a group
-never spans ranks), and trains on it. DDP averages the gradients, so each rank's loss is scaled
-to make the average the token-level mean over the whole batch. Rank 0 alone writes metrics,
+never spans ranks), and trains on it. DDP (or FSDP2's reduce-scatter) averages the gradients, so
+each rank's loss is scaled to make the average the token-level mean over the whole batch. Under
+FSDP2 every forward is a collective, so whatever runs the model runs on every rank, in step
+(generation included). Rank 0 alone writes metrics,
 plots and checkpoints; metrics are computed over the whole batch (every rank's completions and
 logprobs are gathered to it), and a checkpoint holds every rank's RNG state so that ``--resume``
 with the same world size continues bit for bit.
@@ -19,7 +21,7 @@ import torch.distributed as dist
 
 from ..errors import UsageValueError
 
-PARALLEL = ("none", "ddp")
+PARALLEL = ("none", "ddp", "fsdp")
 
 
 @dataclass(frozen=True)
@@ -29,6 +31,7 @@ class Ranks:
     kind: str = "none"
     rank: int = 0
     world: int = 1
+    owns_group: bool = False  # ``start`` created the process group (``stop`` then destroys it)
 
     @property
     def main(self) -> bool:
@@ -78,26 +81,63 @@ def start(kind: str, batch_size: int) -> Ranks:
     world = int(os.environ["WORLD_SIZE"])
     if batch_size % world:
         raise UsageValueError(f"--batch-size {batch_size} must divide evenly over {world} ranks")
-    if not dist.is_initialized():
-        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
-    return Ranks(kind, dist.get_rank(), dist.get_world_size())
+    owns = not dist.is_initialized()
+    if owns:  # the driver's trainer runs on CPU (its tensors and collectives), hence gloo
+        dist.init_process_group("gloo")
+    return Ranks(kind, dist.get_rank(), dist.get_world_size(), owns)
 
 
 def stop(ranks: Ranks) -> None:
-    if ranks.distributed and dist.is_initialized():
+    if ranks.owns_group and dist.is_initialized():
         dist.destroy_process_group()
 
 
 def wrap(model: torch.nn.Module, ranks: Ranks) -> torch.nn.Module:
-    """The module the trainer calls: the unified model itself, or DDP around it (unified first,
-    so the engines and reports still find the unified state on ``model``)."""
+    """The module the trainer calls: the unified model itself, DDP around it (unified first, so
+    the engines and reports still find the unified state on ``model``), or, for FSDP2, the model
+    sharded in place: each decoder layer (the classes transformers names in ``_no_split_modules``),
+    then the rest."""
     if ranks.kind == "ddp":
         from torch.nn.parallel import DistributedDataParallel
 
+        # a compiled trainer under DDP needs Dynamo's DDP optimizer off (it hides the weights
+        # from the pass: docs/design.md, section 5.3); DDP then reduces after the whole backward
+        torch._dynamo.config.optimize_ddp = False
         return DistributedDataParallel(model)
+    if ranks.kind == "fsdp":
+        from torch.distributed.fsdp import fully_shard
+
+        layer_classes = set(getattr(model, "_no_split_modules", None) or ())
+        layers = [m for m in model.modules() if type(m).__name__ in layer_classes]
+        if not layers:
+            raise UsageValueError(
+                f"--parallel fsdp shards each decoder layer, but {type(model).__name__} names none "
+                "(transformers' _no_split_modules); use --parallel ddp"
+            )
+        for layer in layers:
+            fully_shard(layer)
+        fully_shard(model)
     return model
 
 
-def barrier(ranks: Ranks) -> None:
-    if ranks.distributed:
-        dist.barrier()
+def state_dicts(model: torch.nn.Module, optimizer, ranks: Ranks) -> tuple[dict, dict]:
+    """(model, optimizer) state dicts of the whole model, as one process would write them; under
+    FSDP2 gathered from the shards (a collective; rank 0 receives them, in FQN-keyed form)."""
+    if ranks.kind != "fsdp":
+        return model.state_dict(), optimizer.state_dict()
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    return get_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def load_state_dicts(model: torch.nn.Module, optimizer, model_state: dict, optimizer_state: dict,
+                     ranks: Ranks) -> None:
+    """Load what ``state_dicts`` made (every rank reads the same checkpoint; FSDP2 keeps its shard)."""
+    if ranks.kind != "fsdp":
+        model.load_state_dict(model_state)
+        optimizer.load_state_dict(optimizer_state)
+        return
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
+    set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optimizer_state,
+                   options=StateDictOptions(full_state_dict=True))

@@ -28,6 +28,7 @@ import torch.nn as nn
 
 from ..exact import is_exact, logprobs_of
 from ..recipes import Recipe
+from ..runtime.sharding import is_sharded
 from ..state import is_unified
 from ..unify import rollout_forward
 from . import _vllm_compat
@@ -293,6 +294,9 @@ class HfEngine(RolloutEngine):
             ids[i, width - len(p):] = torch.tensor(p)
             mask[i, width - len(p):] = 1
         sampling = rollout_forward(model) if is_unified(model) else contextlib.nullcontext()
+        # FSDP2: every forward is a collective, so ranks decode in step until all are done, and the
+        # shared prefill (one forward fewer, depending on the prompts) is left out
+        sharded = is_sharded(model)
         with torch.random.fork_rng(devices=[]), torch.no_grad(), sampling:
             torch.manual_seed(seed)
             # temperature 0 is greedy (as in vLLM); the n copies of each prompt are made here, the
@@ -302,7 +306,8 @@ class HfEngine(RolloutEngine):
             out = model.generate(
                 input_ids=ids.repeat_interleave(n, dim=0).to(device),
                 attention_mask=mask.repeat_interleave(n, dim=0).to(device),
-                past_key_values=self._shared_prefill(ids.to(device), mask.to(device), n),
+                past_key_values=None if sharded else self._shared_prefill(ids.to(device), mask.to(device), n),
+                synced_gpus=sharded,
                 max_new_tokens=max_new_tokens, eos_token_id=self.eos_token_id, pad_token_id=self.pad_token_id,
                 output_logits=True, return_dict_in_generate=True, **sampling_args,
             )

@@ -30,7 +30,7 @@ import torch.nn as nn
 from .. import __version__
 from ..recipes import DEFAULT_RECIPE, Recipe, get_recipe
 from ..runtime.format import SCALE_NAMES, block_scale_shape
-from ..runtime.sharding import gathered
+from ..runtime.sharding import gathered, is_sharded
 from ..runtime.weight_cache import WeightCache
 from ..state import STATE_ATTR
 
@@ -88,16 +88,17 @@ def rollout_tensors(
     dtype = engine_dtype(model, dtype) if fmt == "jetrl" else torch.bfloat16
     linears = {f"{name}.weight" for name in rollout_linears(model, recipe)}
     scale_name = SCALE_NAMES[fmt]
+    sharded = is_sharded(model)  # FSDP2 frees the gathered weights when the block ends: copy them
     with torch.no_grad(), gathered(model):  # FSDP2: the whole weights, as its forward sees them
         for name, p in model.named_parameters():
             if name not in linears:
-                yield name, p.detach().to(dtype)
+                yield name, p.detach().to(dtype, copy=sharded)
             elif recipe.rollout.is_fp8:
                 q, s = cache.get(p)
                 yield name, q
                 yield name.removesuffix("weight") + scale_name, s
             else:
-                yield name, p.detach().to(torch.bfloat16)
+                yield name, p.detach().to(torch.bfloat16, copy=sharded)
 
 
 def quantization_config(model: nn.Module, recipe: str | Recipe | None = None, *, fmt: str = "jetrl") -> dict | None:

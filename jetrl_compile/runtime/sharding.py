@@ -26,14 +26,17 @@ import torch.nn as nn
 WRITTEN_FOR_TORCH = "2.13"
 
 
-def _fsdp_params(model: nn.Module):
-    """Every FSDP2 ``FSDPParam`` of ``model``'s modules (none unless FSDP2 is in use)."""
+def _fsdp_modules(model: nn.Module) -> list[nn.Module]:
+    """``model``'s FSDP2-sharded modules (none unless FSDP2 is in use)."""
     fsdp = sys.modules.get("torch.distributed.fsdp")
     if fsdp is None:  # nothing imported FSDP2, so nothing in this process is sharded by it
-        return
-    for module in model.modules():
-        if not isinstance(module, fsdp.FSDPModule):
-            continue
+        return []
+    return [m for m in model.modules() if isinstance(m, fsdp.FSDPModule)]
+
+
+def _fsdp_params(model: nn.Module):
+    """Every FSDP2 ``FSDPParam`` of ``model``'s modules."""
+    for module in _fsdp_modules(model):
         try:
             groups = module._get_fsdp_state()._fsdp_param_groups
             params = [p for group in groups for p in group.fsdp_params]
@@ -50,35 +53,42 @@ class ShardMap:
     """``shard_of(param)``: the FSDP2 shard an unsharded parameter of ``model`` is gathered
     from, or ``None`` for a parameter FSDP2 does not manage (then the parameter is its own source).
 
-    The map is rebuilt when a parameter is seen for the first time: FSDP2 creates each unsharded
-    parameter at its first all-gather and keeps it after, so a module sharded after ``unify``
-    (or before) is found at the first lookup of its weights."""
+    The map is rebuilt when a parameter object is met for the first time: FSDP2 creates each
+    unsharded parameter at its first all-gather and keeps it after, so a module sharded after
+    ``unify`` (or before) is found at the first lookup of its weights. The shard is read from
+    FSDP2's record at each lookup, so a shard FSDP2 replaces is followed."""
 
     def __init__(self, model: nn.Module | None = None):
         self._model = weakref.ref(model) if model is not None else None
-        self._shards: dict[int, tuple[weakref.ref, weakref.ref]] = {}  # id(unsharded) -> (unsharded, shard)
-        self._seen: set[int] = set()
+        self._params: dict[int, tuple[weakref.ref, weakref.ref]] = {}  # id(unsharded) -> (unsharded, FSDPParam)
+        self._seen: dict[int, weakref.ref] = {}  # id(parameter) -> the parameter, once looked up
 
     def shard_of(self, param: torch.Tensor) -> torch.Tensor | None:
         if self._model is None:
             return None
-        if id(param) not in self._seen:
+        seen = self._seen.get(id(param))
+        if seen is None or seen() is not param:  # a new object (or a new one at a reused id)
             self._rebuild()
-            self._seen.add(id(param))
-        held = self._shards.get(id(param))
-        if held is None or held[0]() is not param:
-            return None
-        return held[1]()
+            self._seen[id(param)] = weakref.ref(param)
+        held = self._params.get(id(param))
+        record = held[1]() if held is not None and held[0]() is param else None
+        return record.sharded_param if record is not None else None
 
     def _rebuild(self) -> None:
         model = self._model() if self._model is not None else None
         if model is None:
             return
-        self._shards = {
-            id(p._unsharded_param): (weakref.ref(p._unsharded_param), weakref.ref(p.sharded_param))
+        self._params = {
+            id(p._unsharded_param): (weakref.ref(p._unsharded_param), weakref.ref(p))
             for p in _fsdp_params(model)
             if hasattr(p, "_unsharded_param")
         }
+
+
+def is_sharded(model: nn.Module) -> bool:
+    """Whether FSDP2 shards a module of ``model``: then every forward is a collective, and ranks
+    that run it must run it alike (as many times, in the same order)."""
+    return bool(_fsdp_modules(model))
 
 
 @contextlib.contextmanager
@@ -86,8 +96,7 @@ def gathered(model: nn.Module):
     """Within this block every FSDP2-sharded module of ``model`` holds its unsharded parameters,
     as during its forward (for reading all weights, e.g. to export them to the engine); on exit
     they are sharded again. A collective: every rank must enter it. A no-op without FSDP2."""
-    fsdp = sys.modules.get("torch.distributed.fsdp")
-    modules = [m for m in model.modules() if fsdp is not None and isinstance(m, fsdp.FSDPModule)]
+    modules = _fsdp_modules(model)
     for module in modules:
         module.unshard()
     try:

@@ -1,19 +1,23 @@
 """The GRPO driver data-parallel (``--parallel ddp``): two gloo ranks on CPU, as torchrun starts
 them (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT), on a tiny random model with a reward it earns."""
 
+import datetime
 import json
 import os
 import signal
 import socket
+from pathlib import Path
 
 import pytest
 import torch
 import torch.multiprocessing as mp
 
+import jetrl_compile
 from jetrl_compile.errors import UsageValueError
-from jetrl_compile.rl import loop
+from jetrl_compile.rl import loop, parallel
 from jetrl_compile.rl.checkpoint import latest_checkpoint
 from jetrl_compile.rl.config import GrpoConfig
+from jetrl_compile.rollout.engines import Completion
 from tests.conftest import VLLM_TINY, ByteTokenizer, tiny_model
 from tests.rl.test_grpo import EarnableTask, _cfg, _untimed
 
@@ -26,7 +30,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _rank(rank, world, port, cfg, out_weights, die_after_step):
+def _rank(rank, world, port, cfg, die_after_step):
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                       GLOO_SOCKET_IFNAME=os.environ.get("GLOO_SOCKET_IFNAME", "lo"))
     torch.set_num_threads(1)
@@ -40,42 +44,94 @@ def _rank(rank, world, port, cfg, out_weights, die_after_step):
             return path
 
         loop.save_checkpoint = save_then_die
-    model = tiny_model("llama", layers=1, seed=123 if cfg.resume else 0, **VLLM_TINY)
+    model = tiny_model("llama", layers=2, seed=123 if cfg.resume else 0, **VLLM_TINY)
     loop.train(cfg, model=model, tokenizer=ByteTokenizer(), task=EarnableTask(seed=0), progress=False)
-    torch.save(model.state_dict(), f"{out_weights}.rank{rank}")
+    if cfg.parallel == "ddp":  # DDP keeps whole replicas: each rank's weights, to compare
+        torch.save(model.state_dict(), f"{cfg.out}.rank{rank}.pt")
 
 
-def _ddp_run(tmp_path, name, *, die_after_step=0, **kw) -> tuple[dict, list[dict]]:
-    cfg = _cfg(tmp_path / name, steps=4, lr=1e-2, save_every=2, parallel="ddp", **kw)
-    weights = tmp_path / f"{name}.pt"
-    mp.spawn(_rank, args=(WORLD, _free_port(), cfg, str(weights), die_after_step), nprocs=WORLD)
-    rows = [json.loads(line) for line in (tmp_path / name / "run" / "metrics.jsonl").read_text().splitlines()]
-    per_rank = [torch.load(f"{weights}.rank{r}") for r in range(WORLD)]
-    for name_, w in per_rank[0].items():  # DDP keeps the replicas identical
-        assert torch.equal(w, per_rank[1][name_]), name_
-    return per_rank[0], rows
+def _run_ranks(tmp_path, name, parallel, *, die_after_step=0, **kw) -> tuple[dict, list[dict]]:
+    """(the final checkpoint, metrics rows) of a 4-step run on two ranks."""
+    cfg = _cfg(tmp_path / name, steps=4, lr=1e-2, save_every=2, parallel=parallel, **kw)
+    mp.spawn(_rank, args=(WORLD, _free_port(), cfg, die_after_step), nprocs=WORLD)
+    rows = [json.loads(line) for line in (Path(cfg.out) / "metrics.jsonl").read_text().splitlines()]
+    final = torch.load(latest_checkpoint(cfg.out), weights_only=True)
+    if parallel == "ddp":
+        replicas = [torch.load(f"{cfg.out}.rank{r}.pt") for r in range(WORLD)]
+        for key, w in replicas[0].items():
+            assert torch.equal(w, replicas[1][key]) and torch.equal(w, final["model"][key]), key
+    return final, rows
 
 
-def test_two_ranks_train_on_the_whole_batch_and_write_metrics_once(tmp_path):
-    weights, rows = _ddp_run(tmp_path, "a")
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+def test_two_ranks_train_and_a_killed_rank_resumes_bit_for_bit(tmp_path, parallel):
+    straight, rows = _run_ranks(tmp_path, "a", parallel)
     assert [r["step"] for r in rows] == [1, 2, 3, 4]  # rank 0 alone writes, one line per step
-    start = tiny_model("llama", layers=1, seed=0, **VLLM_TINY).state_dict()
-    assert all(r["grad_norm"] > 0 for r in rows)
-    assert sum(not torch.equal(w, start[n]) for n, w in weights.items()) == len(start)
-    # the metrics cover both ranks' completions: 2 prompts x 2 samples per step, one prompt per rank
-    assert all(r["completions"] == 4 for r in rows)
-    assert sorted(os.listdir(tmp_path / "a" / "run" / "checkpoints")) == ["step_000004.pt"]
+    assert all(r["completions"] == 4 for r in rows)  # both ranks' completions: 2 prompts x 2 samples
+    assert sum(r["grad_norm"] > 0 for r in rows) >= 2  # (a step whose groups all tie has no gradient)
+    start = tiny_model("llama", layers=2, seed=0, **VLLM_TINY).state_dict()
+    assert straight["ranks"] == WORLD and straight["model"].keys() == start.keys()
+    unmoved = [n for n, w in straight["model"].items() if torch.equal(w, start[n])]
+    assert not unmoved, unmoved  # every weight moved
 
-
-def test_a_rank_killed_after_a_checkpoint_resumes_bit_for_bit(tmp_path):
-    straight, rows = _ddp_run(tmp_path, "a")
     with pytest.raises(mp.ProcessExitedException, match="signal SIGKILL"):
-        _ddp_run(tmp_path, "b", die_after_step=2)
+        _run_ranks(tmp_path, "b", parallel, die_after_step=2)
     assert latest_checkpoint(tmp_path / "b" / "run").name == "step_000002.pt"
-    resumed, resumed_rows = _ddp_run(tmp_path, "b", resume=True)  # seed 123: weights come from the checkpoint
-    for name, w in straight.items():
-        assert torch.equal(w, resumed[name]), name
+    resumed, resumed_rows = _run_ranks(tmp_path, "b", parallel, resume=True)  # weights come from the checkpoint
+    for name, w in straight["model"].items():
+        assert torch.equal(w, resumed["model"][name]), name
     assert _untimed(resumed_rows) == _untimed(rows)
+
+
+def _batch(rank1_empty: bool):
+    """Two prompts of two completions each, with rollout logprobs and advantages; with
+    ``rank1_empty`` the second prompt's completions are empty (nothing to train on there)."""
+    prompts = [[1, 2, 3, 4], [5, 6, 7]]
+    tokens = [[[9, 10, 11], [12, 13]], [[], []] if rank1_empty else [[14], [15, 16, 17, 18]]]
+    groups = [[Completion(t, [-1.5] * len(t), "length") for t in g] for g in tokens]
+    return prompts, groups, torch.tensor([[1.0, -1.0], [0.5, -0.5]], dtype=torch.float64)
+
+
+def _update(model, ranks, rank1_empty, trainer=None):
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    prompts, groups, advantages = (ranks.share(x) for x in _batch(rank1_empty))
+    cfg = GrpoConfig(group_size=2, micro_batch=2)  # one prompt per micro-batch
+    stats = loop.policy_update(model, optimizer, prompts, groups, advantages, cfg, 0, None, ranks, trainer)
+    return parallel.state_dicts(model, optimizer, ranks)[0], stats
+
+
+def _update_rank(rank, world, port, kind, rank1_empty, out):
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world),
+                      GLOO_SOCKET_IFNAME=os.environ.get("GLOO_SOCKET_IFNAME", "lo"))
+    torch.set_num_threads(1)
+    torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                                         timeout=datetime.timedelta(seconds=120))  # a rank left waiting fails
+    ranks = parallel.start(kind, 2)
+    model = jetrl_compile.unify(tiny_model("llama", layers=2, **VLLM_TINY), "fp8_fwd_bf16_bwd", mode="eager")
+    weights, stats = _update(model, ranks, rank1_empty, parallel.wrap(model, ranks))
+    if rank == 0:
+        torch.save((weights, stats.loss, stats.grad_norm), out)
+    torch.distributed.destroy_process_group()
+
+
+@pytest.mark.parametrize(("kind", "rank1_empty"), [("ddp", True), ("fsdp", False)])
+def test_a_data_parallel_update_is_bitwise_one_process_on_the_whole_batch(tmp_path, kind, rank1_empty):
+    """Each rank scales its loss by world / global tokens and DDP (FSDP2) averages: the step is the
+    one process's on both prompts (one micro-batch each), bit for bit. A rank whose completions are
+    all empty still runs a backward (zero-valued), or the other rank would wait forever."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        model = jetrl_compile.unify(tiny_model("llama", layers=2, **VLLM_TINY), "fp8_fwd_bf16_bwd", mode="eager")
+        ref_weights, ref_stats = _update(model, parallel.ONE_PROCESS, rank1_empty)
+    finally:
+        torch.set_num_threads(threads)
+    out = tmp_path / "rank0.pt"
+    mp.spawn(_update_rank, args=(WORLD, _free_port(), kind, rank1_empty, str(out)), nprocs=WORLD)
+    weights, loss, grad_norm = torch.load(out, weights_only=True)
+    assert ref_stats.grad_norm > 0 and (loss, grad_norm) == (ref_stats.loss, ref_stats.grad_norm)
+    for name, w in ref_weights.items():
+        assert torch.equal(weights[name], w), name
 
 
 def test_parallel_needs_torchrun_and_a_batch_that_divides(tmp_path, monkeypatch):
