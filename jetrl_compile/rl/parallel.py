@@ -13,13 +13,13 @@ with the same world size continues bit for bit.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from ..errors import UsageValueError
+from ..runtime.switches import launcher_world
 
 PARALLEL = ("none", "ddp", "fsdp")
 
@@ -73,12 +73,12 @@ def start(kind: str, batch_size: int) -> Ranks:
         raise UsageValueError(f"--parallel {kind!r} is unknown; choose one of {', '.join(PARALLEL)}")
     if kind == "none":
         return ONE_PROCESS
-    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+    world = launcher_world()
+    if world is None:
         raise UsageValueError(
             f"--parallel {kind} runs one process per rank: start it with torchrun, e.g. "
             f"torchrun --nproc-per-node 2 examples/train_grpo.py --parallel {kind} ..."
         )
-    world = int(os.environ["WORLD_SIZE"])
     if batch_size % world:
         raise UsageValueError(f"--batch-size {batch_size} must divide evenly over {world} ranks")
     owns = not dist.is_initialized()

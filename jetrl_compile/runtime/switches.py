@@ -64,3 +64,11 @@ def dump() -> bool:
 
 def dump_dir() -> Path:
     return Path(os.environ.get(DUMP_DIR) or "jetrl_dump")
+
+
+def launcher_world() -> int | None:
+    """The number of processes torchrun started (its ``WORLD_SIZE``; ``RANK`` set too), or None
+    outside torchrun. Not a switch of ours, but read here with the rest of the environment."""
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        return None
+    return int(os.environ["WORLD_SIZE"])
