@@ -2,6 +2,7 @@
 them (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT), on a tiny random model with a reward it earns."""
 
 import datetime
+import gc
 import json
 import os
 import signal
@@ -111,6 +112,8 @@ def _update_rank(rank, world, port, kind, rank1_empty, out):
     weights, stats = _update(model, ranks, rank1_empty, parallel.wrap(model, ranks))
     if rank == 0:
         torch.save((weights, stats.loss, stats.grad_norm), out)
+    gc.collect()  # the DDP wrapper (and its reducer) goes before its process group
+    torch.distributed.barrier()
     torch.distributed.destroy_process_group()
 
 
