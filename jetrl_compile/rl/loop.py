@@ -290,13 +290,14 @@ def _train(cfg: GrpoConfig, ranks: Ranks, found: Path | None, model, tokenizer, 
 
 def _metrics_row(step, rewards, correct, groups, stats: UpdateStats, rollout_s, train_s, sync_s, counters) -> dict:
     tokens = sum(len(c.token_ids) for g in groups for c in g)
+    completions = sum(len(g) for g in groups)
     step_s = rollout_s + train_s + sync_s
     return {
         "step": step,
         "reward_mean": rewards.mean().item(),
         "accuracy": correct.mean().item(),
-        "completions": sum(len(g) for g in groups),
-        "completion_tokens_mean": tokens / max(1, sum(len(g) for g in groups)),
+        "completions": completions,
+        "completion_tokens_mean": tokens / max(1, completions),
         "mismatch_kl": stats.mismatch["mismatch_kl"],
         "logprob_abs_diff_mean": stats.mismatch["logprob_abs_diff_mean"],
         "logprob_abs_diff_max": stats.mismatch["logprob_abs_diff_max"],

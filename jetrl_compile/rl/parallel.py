@@ -5,10 +5,10 @@ it samples its share with its own engine, scores it and normalises rewards per g
 never spans ranks), and trains on it. DDP (or FSDP2's reduce-scatter) averages the gradients, so
 each rank's loss is scaled to make the average the token-level mean over the whole batch. Under
 FSDP2 every forward is a collective, so whatever runs the model runs on every rank, in step
-(generation included). Rank 0 alone writes metrics,
-plots and checkpoints; metrics are computed over the whole batch (every rank's completions and
-logprobs are gathered to it), and a checkpoint holds every rank's RNG state so that ``--resume``
-with the same world size continues bit for bit.
+(generation included). Rank 0 alone writes metrics, plots and checkpoints; metrics are computed
+over the whole batch (every rank's completions and logprobs are gathered to it), and a
+checkpoint holds every rank's RNG state so that ``--resume`` with the same world size continues
+bit for bit.
 """
 
 from __future__ import annotations

@@ -307,7 +307,7 @@ class HfEngine(RolloutEngine):
                 input_ids=ids.repeat_interleave(n, dim=0).to(device),
                 attention_mask=mask.repeat_interleave(n, dim=0).to(device),
                 past_key_values=None if sharded else self._shared_prefill(ids.to(device), mask.to(device), n),
-                synced_gpus=sharded,
+                synced_gpus=True if sharded else None,  # None: transformers decides, as before
                 max_new_tokens=max_new_tokens, eos_token_id=self.eos_token_id, pad_token_id=self.pad_token_id,
                 output_logits=True, return_dict_in_generate=True, **sampling_args,
             )
