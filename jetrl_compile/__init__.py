@@ -23,6 +23,7 @@ logging.getLogger(__name__).addHandler(logging.NullHandler())
 
 _PUBLIC = {
     "unified_state": "state",
+    "fp8_all_gather": "fsdp",
     "export_vllm": "rollout.export",
     "validate_export": "rollout.export",
     "Completion": "rollout.engines",

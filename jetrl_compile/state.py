@@ -21,6 +21,7 @@ class UnifiedState:
     patched: list[nn.Module] = field(default_factory=list)
     exact: bool = False  # exact mode (jetrl_compile.exact): invariant numerics end to end
     exact_undo: list = field(default_factory=list)
+    fp8_all_gather: dict = field(default_factory=dict)  # linear -> None (FSDP2 gathers FP8) or why not
 
     @property
     def compiles(self) -> int:

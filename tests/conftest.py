@@ -88,6 +88,9 @@ def assert_same_quantization(a, b):
 # vLLM's CPU attention wants head sizes it has kernels for: 3 heads x 64 (k/v: 64 rows, not a
 # multiple of 128, so fused shards and partial blocks are exercised).
 VLLM_TINY = dict(hidden_size=192, num_attention_heads=3, num_key_value_heads=1)
+# rows in multiples of 256, so that two FSDP2 ranks' shards hold whole 128-row blocks (FP8
+# all-gather), except k/v (64 rows: gathered in full precision)
+FSDP_ALIGNED = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=1)
 
 
 def unified_tiny(recipe="fp8_fwd_bf16_bwd", dtype=torch.float32, **kw):

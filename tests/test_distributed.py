@@ -20,6 +20,10 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import jetrl_compile
 from jetrl_compile.rollout.export import rollout_tensors
+from jetrl_compile.runtime.fp8_all_gather import GatheredFP8Weight
+from jetrl_compile.runtime.quantize import quantize_blockwise
+from jetrl_compile.runtime.sharding import count_all_gathers, gathered
+from tests.conftest import FSDP_ALIGNED as ALIGNED
 from tests.conftest import tiny_model
 
 STEPS, MICRO = 3, 2
@@ -30,8 +34,8 @@ def _batches():
     return torch.randint(0, 256, (STEPS, 2 * MICRO, 24), generator=torch.Generator().manual_seed(1))
 
 
-def _model(recipe, mode):
-    model = tiny_model(layers=2)
+def _model(recipe, mode, dims=None):
+    model = tiny_model(layers=2, **(dims or {}))
     return jetrl_compile.unify(model, recipe, mode=mode, compiler="aot_eager")
 
 
@@ -77,26 +81,74 @@ def _result(model) -> dict:
     }
 
 
+def _gathered_bytes(model, gathers, plan, world) -> dict:
+    """Bytes FSDP2 all-gathered (as the rank received them), beside what the plan says they must
+    be: an FP8-gathered weight is 1 byte per value plus a float32 scale per 128 x 128 block, any
+    other parameter 4 bytes per value (FP32); and what they would be with everything in FP32."""
+    layers = list(model.model.layers)
+    names = {p: name for name, p in model.named_parameters()}
+    held = {m: list(m.parameters()) for m in layers}
+    held[model] = [p for p in model.parameters() if not any(p is q for m in layers for q in held[m])]
+
+    def nbytes(p, fp8):
+        if not fp8:
+            return 4 * p.numel()
+        n, k = p.shape
+        return p.numel() + 4 * -(-n // 128) * -(-k // 128)
+
+    expected = full = 0
+    for module, _ in gathers.calls:
+        for p in held[module]:
+            linear = names[p].removesuffix(".weight")
+            expected += nbytes(p, linear in plan and plan[linear] is None)
+            full += 4 * p.numel()
+    return {"observed": gathers.nbytes, "expected": expected, "full": full, "calls": len(gathers.calls)}
+
+
+def _gathered_payloads(model, plan) -> dict:
+    """Each FP8-gathered weight as the forward reads it, against quantizing the whole weight."""
+    weights = {name: (v.full_tensor() if hasattr(v, "full_tensor") else v) for name, v in model.state_dict().items()}
+    same, differ = [], []
+    with gathered(model):
+        for name, why_not in plan.items():
+            w = model.get_submodule(name).weight
+            if why_not is not None:
+                assert not isinstance(w, GatheredFP8Weight), name
+                continue
+            assert isinstance(w, GatheredFP8Weight), (name, type(w))
+            full = weights[f"{name}.weight"]
+            ref = quantize_blockwise(getattr(full, "shard", full))
+            bitwise = torch.equal(w.quantized.data.view(torch.uint8), ref.data.view(torch.uint8)) and torch.equal(
+                w.quantized.scale, ref.scale)
+            (same if bitwise else differ).append(name)
+    return {"same": same, "differ": differ}
+
+
 def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8) if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) else t.clone()
 
 
-def _worker(rank, world, store, out, recipe, mode, parallel, unify_first, optimize_ddp):
+def _worker(rank, world, store, out, recipe, mode, parallel, unify_first, optimize_ddp, fp8_gather):
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     torch.set_num_threads(1)
     torch._dynamo.config.optimize_ddp = optimize_ddp
     try:
         if unify_first:
-            model = _model(recipe, mode)
+            model = _model(recipe, mode, ALIGNED if fp8_gather else None)
+            plan = jetrl_compile.fp8_all_gather(model) if fp8_gather else {}
             wrapped = _wrap(model, parallel)
         else:
             model = _wrap(tiny_model(layers=2), parallel)
             wrapped = jetrl_compile.unify(model, recipe, mode=mode, compiler="aot_eager")
-        if world == 1:
-            _train(wrapped, lambda batch: [batch[r::MICRO] for r in range(MICRO)])
-        else:
-            _train(wrapped, lambda batch: [batch[rank::world]])
+        with count_all_gathers(model) as gathers:
+            if world == 1:
+                _train(wrapped, lambda batch: [batch[r::MICRO] for r in range(MICRO)])
+            else:
+                _train(wrapped, lambda batch: [batch[rank::world]])
         result = _result(model)
+        if fp8_gather:
+            result.update(plan=plan, gathered=_gathered_bytes(model, gathers, plan, world),
+                          payloads=_gathered_payloads(model, plan))
     except Exception as e:  # noqa: BLE001 - the parent asserts on the message
         result = {"error": f"{type(e).__name__}: {e}"}
     if rank == 0:
@@ -105,27 +157,27 @@ def _worker(rank, world, store, out, recipe, mode, parallel, unify_first, optimi
 
 
 def _spawn(tmp_path, world, *, recipe="fp8_fwd_bf16_bwd", mode="eager", parallel="fsdp", unify_first=True,
-           optimize_ddp=False) -> dict:
+           optimize_ddp=False, fp8_gather=False) -> dict:
     store, out = tmp_path / f"store{world}", tmp_path / f"rank0-{world}.pt"
-    mp.spawn(_worker, args=(world, str(store), str(out), recipe, mode, parallel, unify_first, optimize_ddp),
-             nprocs=world)
+    mp.spawn(_worker, args=(world, str(store), str(out), recipe, mode, parallel, unify_first, optimize_ddp,
+                            fp8_gather), nprocs=world)
     return torch.load(out, weights_only=False)
 
 
-def _one_process(recipe, mode) -> dict:
+def _one_process(recipe, mode, dims=None) -> dict:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as the ranks run: a GEMM's blocking may follow the thread count
     try:
-        model = _model(recipe, mode)
+        model = _model(recipe, mode, dims)
         _train(model, lambda batch: [batch[r::MICRO] for r in range(MICRO)])
         return _result(model)
     finally:
         torch.set_num_threads(threads)
 
 
-def _assert_same_training(got: dict, ref: dict):
+def _assert_same_training(got: dict, ref: dict, dims=None):
     assert "error" not in got, got.get("error")
-    start = tiny_model(layers=2).state_dict()
+    start = tiny_model(layers=2, **(dims or {})).state_dict()
     moved = [n for n, w in ref["weights"].items() if not torch.equal(w, start[n])]
     assert len(moved) == len(start), "the reference left weights unchanged: the comparison would be vacuous"
     different = [n for n, w in got["weights"].items() if not torch.equal(w, ref["weights"][n])]
@@ -157,6 +209,28 @@ def test_fsdp2_trains_bitwise_like_one_process(tmp_path, recipe, unify_first):
     ``fully_shard`` may come before or after ``unify``."""
     got = _spawn(tmp_path, 2, recipe=recipe, unify_first=unify_first)
     _assert_same_training(got, _one_process(recipe, "eager"))
+
+
+def test_fsdp2_gathers_fp8_blocks_bitwise_the_whole_weights_quantization(tmp_path):
+    """With ``fp8_all_gather``, each rank quantizes its shard and FSDP2 gathers the FP8 payload
+    and scales: bitwise the whole weight's blocks where shards hold whole 128-row blocks (q, o,
+    MLP: 256 or 512 rows, 128 or 256 per rank), full precision where they would cut one (k/v, 64
+    rows). Training is bitwise one process's, and the bytes on the wire are what the plan says."""
+    got = _spawn(tmp_path, 2, recipe="jetrl", fp8_gather=True)
+    _assert_same_training(got, _one_process("jetrl", "eager", ALIGNED), ALIGNED)
+    fp8 = sorted(name for name, why_not in got["plan"].items() if why_not is None)
+    assert len(fp8) == 10 and not any(n.endswith(("k_proj", "v_proj")) for n in fp8), got["plan"]
+    assert all("cuts a 128-row block" in got["plan"][n] for n in got["plan"] if n not in fp8)
+    assert sorted(got["payloads"]["same"]) == fp8 and not got["payloads"]["differ"]
+    wire = got["gathered"]
+    assert wire["observed"] == wire["expected"] < wire["full"] / 2, wire
+
+
+def test_fp8_all_gather_is_refused_where_the_weight_is_read_in_full_precision():
+    with pytest.raises(ValueError, match="BF16 dgrad GEMM"):
+        jetrl_compile.fp8_all_gather(_model("fp8_fwd_bf16_bwd", "eager"), world_size=2)
+    with pytest.raises(ValueError, match="mode='eager'"):
+        jetrl_compile.fp8_all_gather(_model("jetrl", "compile"), world_size=2)
 
 
 def test_ddp_trains_bitwise_like_one_process(tmp_path):

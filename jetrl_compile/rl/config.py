@@ -94,7 +94,8 @@ HELP = {
     "exact": "exact mode: rollout logprobs bitwise equal to the trainer's (mismatch 0.0 every step); "
              "eager trainer, either engine",
     "parallel": "data parallelism under torchrun: none (one process), ddp or fsdp (FSDP2, each decoder layer "
-                "sharded); each rank samples and trains on its share of the prompts (torchrun --nproc-per-node N)",
+                "sharded; with --recipe jetrl and the eager trainer it gathers weights as FP8 blocks); each rank "
+                "samples and trains on its share of the prompts (torchrun --nproc-per-node N)",
     "out": "output folder: metrics.jsonl, metrics.png, checkpoints/",
     "report_to": "also log every step's metrics to: none, or tensorboard (event files in --out/tensorboard)",
     "eval_every": "every N steps, greedy accuracy on --limit held-out problems, logged as eval_accuracy (0: off)",

@@ -19,7 +19,10 @@ import torch
 import torch.distributed as dist
 
 from ..errors import UsageValueError
+from ..fsdp import fp8_all_gather
+from ..runtime.fp8_all_gather import unwrap_fp8_gather
 from ..runtime.switches import launcher_world
+from ..state import unified_state
 
 PARALLEL = ("none", "ddp", "fsdp")
 
@@ -114,6 +117,9 @@ def wrap(model: torch.nn.Module, ranks: Ranks) -> torch.nn.Module:
                 f"--parallel fsdp shards each decoder layer, but {type(model).__name__} names none "
                 "(transformers' _no_split_modules); use --parallel ddp"
             )
+        state = unified_state(model)
+        if state.recipe.fprop.is_fp8 and state.recipe.dgrad.is_fp8 and state.mode == "eager":
+            fp8_all_gather(model, ranks.world)  # bitwise the same training, fewer bytes gathered
         for layer in layers:
             fully_shard(layer)
         fully_shard(model)
@@ -127,7 +133,11 @@ def state_dicts(model: torch.nn.Module, optimizer, ranks: Ranks) -> tuple[dict, 
         return model.state_dict(), optimizer.state_dict()
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
-    return get_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    model_state, optimizer_state = get_state_dict(
+        model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+    )
+    # a weight gathered as FP8 blocks is kept as its full-precision shard in a wrapper: save the values
+    return unwrap_fp8_gather(model_state), optimizer_state
 
 
 def load_state_dicts(model: torch.nn.Module, optimizer, model_state: dict, optimizer_state: dict,

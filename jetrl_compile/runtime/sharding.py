@@ -104,3 +104,41 @@ def gathered(model: nn.Module):
     finally:
         for module in modules:
             module.reshard()
+
+
+class GatherLog:
+    """What FSDP2 all-gathered while ``count_all_gathers`` was on: one ``(module, bytes)`` per
+    all-gather, ``bytes`` being what the rank received (every rank's input, its own included)."""
+
+    def __init__(self):
+        self.calls: list[tuple[nn.Module, int]] = []
+
+    @property
+    def nbytes(self) -> int:
+        return sum(n for _, n in self.calls)
+
+
+@contextlib.contextmanager
+def count_all_gathers(model: nn.Module):
+    """Within this block, record the bytes of every all-gather FSDP2 runs for ``model``'s sharded
+    modules (through FSDP2's public ``set_custom_all_gather``); yields the ``GatherLog``."""
+    from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather
+
+    log = GatherLog()
+
+    class Counting(DefaultAllGather):
+        def __init__(self, module):
+            self.module = module
+
+        def __call__(self, output_tensor, input_tensor, group, async_op=False):
+            log.calls.append((self.module, output_tensor.nbytes))
+            return super().__call__(output_tensor, input_tensor, group, async_op)
+
+    modules = _fsdp_modules(model)
+    for module in modules:
+        module.set_custom_all_gather(Counting(module))
+    try:
+        yield log
+    finally:
+        for module in modules:
+            module.set_custom_all_gather(DefaultAllGather())

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .fp8_all_gather import GatheredFP8Weight
 from .invariant import FixedPoint
 from .quantize import Quantized, dequantize, quantize_blockwise
 from .sharding import ShardMap
@@ -28,6 +29,14 @@ class _Entry:
     stamp: tuple
     quantized: Quantized
     dequantized: dict = field(default_factory=dict)  # dtype -> dequantize(*quantized, dtype)
+
+
+def _quantization_of(param: torch.Tensor) -> Quantized:
+    """``quantize_blockwise(param)``; for a weight FSDP2 gathered as FP8 blocks, a copy of the
+    gathered ones (bitwise the same: ``fp8_all_gather``), since FSDP2 frees them after the forward."""
+    if isinstance(param, GatheredFP8Weight):
+        return Quantized(param.quantized.data.clone(), param.quantized.scale.clone())
+    return quantize_blockwise(param.detach())
 
 
 class WeightCache:
@@ -78,7 +87,7 @@ class WeightCache:
         stamp = self._stamp(param)
         if entry is None or entry.param() is not param or entry.stamp != stamp:
             with torch.no_grad():
-                quantized = quantize_blockwise(param.detach())
+                quantized = _quantization_of(param)
             entry = _Entry(weakref.ref(param), stamp, quantized)
             self._entries[id(param)] = entry
             self.quantizations += 1

@@ -19,10 +19,13 @@ from jetrl_compile.rl import loop, parallel
 from jetrl_compile.rl.checkpoint import latest_checkpoint
 from jetrl_compile.rl.config import GrpoConfig
 from jetrl_compile.rollout.engines import Completion
-from tests.conftest import VLLM_TINY, ByteTokenizer, tiny_model
+from tests.conftest import FSDP_ALIGNED, VLLM_TINY, ByteTokenizer, tiny_model
 from tests.rl.test_grpo import EarnableTask, _cfg, _untimed
 
 WORLD = 2
+# the driver's runs: DDP on the default recipe; FSDP2 on jetrl with rows that let it gather most
+# weights as FP8 blocks (the checkpoint then goes through the gathered-in-FP8 wrappers)
+RUNS = {"ddp": ("fp8_fwd_bf16_bwd", VLLM_TINY), "fsdp": ("jetrl", FSDP_ALIGNED)}
 
 
 def _free_port() -> int:
@@ -45,18 +48,23 @@ def _rank(rank, world, port, cfg, die_after_step):
             return path
 
         loop.save_checkpoint = save_then_die
-    model = tiny_model("llama", layers=2, seed=123 if cfg.resume else 0, **VLLM_TINY)
+    model = tiny_model("llama", layers=2, seed=123 if cfg.resume else 0, **RUNS[cfg.parallel][1])
     loop.train(cfg, model=model, tokenizer=ByteTokenizer(), task=EarnableTask(seed=0), progress=False)
     if cfg.parallel == "ddp":  # DDP keeps whole replicas: each rank's weights, to compare
         torch.save(model.state_dict(), f"{cfg.out}.rank{rank}.pt")
+    elif rank == 0:  # which weights FSDP2 gathered as FP8 blocks
+        torch.save(jetrl_compile.unified_state(model).fp8_all_gather, f"{cfg.out}.fp8-gather.pt")
 
 
 def _run_ranks(tmp_path, name, parallel, *, die_after_step=0, **kw) -> tuple[dict, list[dict]]:
     """(the final checkpoint, metrics rows) of a 4-step run on two ranks."""
-    cfg = _cfg(tmp_path / name, steps=4, lr=1e-2, save_every=2, parallel=parallel, **kw)
+    cfg = _cfg(tmp_path / name, steps=4, lr=1e-2, save_every=2, parallel=parallel, recipe=RUNS[parallel][0], **kw)
     mp.spawn(_rank, args=(WORLD, _free_port(), cfg, die_after_step), nprocs=WORLD)
     rows = [json.loads(line) for line in (Path(cfg.out) / "metrics.jsonl").read_text().splitlines()]
     final = torch.load(latest_checkpoint(cfg.out), weights_only=True)
+    if parallel == "fsdp":  # all but k/v (64 rows) of the 2 layers
+        plan = torch.load(f"{cfg.out}.fp8-gather.pt")
+        assert sum(why_not is None for why_not in plan.values()) == 10, plan
     if parallel == "ddp":
         replicas = [torch.load(f"{cfg.out}.rank{r}.pt") for r in range(WORLD)]
         for key, w in replicas[0].items():
@@ -70,7 +78,7 @@ def test_two_ranks_train_and_a_killed_rank_resumes_bit_for_bit(tmp_path, paralle
     assert [r["step"] for r in rows] == [1, 2, 3, 4]  # rank 0 alone writes, one line per step
     assert all(r["completions"] == 4 for r in rows)  # both ranks' completions: 2 prompts x 2 samples
     assert sum(r["grad_norm"] > 0 for r in rows) >= 2  # (a step whose groups all tie has no gradient)
-    start = tiny_model("llama", layers=2, seed=0, **VLLM_TINY).state_dict()
+    start = tiny_model("llama", layers=2, seed=0, **RUNS[parallel][1]).state_dict()
     assert straight["ranks"] == WORLD and straight["model"].keys() == start.keys()
     unmoved = [n for n, w in straight["model"].items() if torch.equal(w, start[n])]
     assert not unmoved, unmoved  # every weight moved
