@@ -47,6 +47,7 @@ bench: venv
 	$(BIN)/python bench/train_step.py --recipes bf16,fp8_fwd_bf16_bwd --batch 4 --seq 128 --steps 2
 	$(BIN)/python bench/rollout.py --engines vllm-bf16 vllm-jetrl-fp8-fp32 --reps 2
 	$(BIN)/python bench/e2e.py --recipes bf16 fp8_fwd_bf16_bwd --steps 3
+	$(BIN)/python bench/distributed.py --models aligned --rounds 1 --steps 1 --batch 1 --seq 64
 
 bench-full: venv
 	$(BIN)/python bench/linear.py
@@ -54,6 +55,7 @@ bench-full: venv
 	$(BIN)/python bench/rollout.py
 	$(BIN)/python bench/e2e.py --steps 5
 	$(BIN)/python bench/mismatch.py
+	$(BIN)/python bench/distributed.py
 
 clean:
 	rm -rf $(VENV) jetrl_dump build *.egg-info

@@ -68,11 +68,11 @@ def table(header: list[str], rows: list[list]) -> str:
     return "\n".join(lines)
 
 
-def write_result(name: str, command: str, body: str) -> Path:
+def write_result(name: str, command: str, body: str, folder: Path = RESULTS) -> Path:
     """Print and save a result table with the command and machine that produced it."""
-    RESULTS.mkdir(exist_ok=True)
+    folder.mkdir(parents=True, exist_ok=True)
     text = f"# {name}\n\nCommand: `{command}`\n\nMachine: {machine()}\n\n{body}\n"
-    path = RESULTS / f"{name}.md"
+    path = folder / f"{name}.md"
     path.write_text(text)
     print(text)
     return path

@@ -34,7 +34,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import table, write_result  # noqa: E402
+from common import RESULTS, table, write_result  # noqa: E402
 
 MODELS = ("smollm2", "aligned")
 # (ranks, gather): the 1-rank reference, then 2 ranks gathering FP32 or FP8 blocks
@@ -55,27 +55,34 @@ def _model(name: str):
 
 
 def _rank(rank: int, world: int, store: str, args, model_name: str, gather: str, out: str) -> None:
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
-    torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
+    cuda = args.device == "cuda"
+    if cuda:
+        torch.cuda.set_device(rank)
+    else:
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
+    dist.init_process_group("nccl" if cuda else "gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    device = torch.device("cuda", rank) if cuda else torch.device("cpu")
     from torch.distributed.fsdp import fully_shard
 
     import jetrl_compile
     from jetrl_compile.runtime.sharding import count_all_gathers
 
-    model = jetrl_compile.unify(_model(model_name), "jetrl", mode="eager")
+    model = jetrl_compile.unify(_model(model_name).to(device), "jetrl", mode="eager")
     plan = jetrl_compile.fp8_all_gather(model) if gather == "fp8" else {}
     for layer in model.model.layers:
         fully_shard(layer)
     fully_shard(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
     tokens = torch.randint(0, model.config.vocab_size, (args.batch, args.seq),
-                           generator=torch.Generator().manual_seed(rank))
+                           generator=torch.Generator().manual_seed(rank)).to(device)
 
     def step():
         model(input_ids=tokens, labels=tokens).loss.backward()
         optimizer.step()
         optimizer.zero_grad()
+        if cuda:
+            torch.cuda.synchronize()
 
     step()  # warm-up (first all-gathers allocate FSDP2's buffers)
     times = []
@@ -107,7 +114,12 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=128, help="tokens per sequence")
     parser.add_argument("--steps", type=int, default=2, help="timed steps per round")
     parser.add_argument("--rounds", type=int, default=3, help="rounds; each runs every variant once")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="cuda: one GPU per rank, NCCL (needs 2 GPUs; bench/gpu.sh runs it where there are)")
+    parser.add_argument("--out", type=Path, default=RESULTS, help="folder for distributed.md")
     args = parser.parse_args()
+    if args.device == "cuda" and torch.cuda.device_count() < 2:
+        raise SystemExit(f"--device cuda needs 2 GPUs (one per rank); this machine has {torch.cuda.device_count()}")
 
     rows = []
     for model_name in args.models:
@@ -128,12 +140,13 @@ def main() -> None:
                          f"{world * args.batch * args.seq / median:.0f}"])
     body = table(["model", "ranks", "all-gather", "linears in FP8", "MiB / step / rank: layers", "root",
                   "total vs FP32 gather", "step s (median)", "tokens/s (all ranks)"], rows)
+    threads = " The 1-rank row runs 2 threads, each of 2 ranks 1." if args.device == "cpu" else ""
     body += (f"\n\nRecipe jetrl, eager trainer, FP32 master weights; {args.batch} x {args.seq} tokens per rank per "
-             f"step; {args.rounds} rounds x {args.steps} timed steps per variant. 'layers': the decoder layers' "
-             "gathers (linear weights and norms); 'root': the embedding, final norm and lm_head (tied), which "
-             "stay in FP32. The 1-rank row runs 2 threads, each of 2 ranks 1.")
+             f"step on {args.device}; {args.rounds} rounds x {args.steps} timed steps per variant. 'layers': the "
+             "decoder layers' gathers (linear weights and norms); 'root': the embedding, final norm and lm_head "
+             f"(tied), which stay in FP32.{threads}")
     cmd = " ".join(["python bench/distributed.py", *sys.argv[1:]])
-    write_result("distributed", cmd, body)
+    write_result("distributed", cmd, body, args.out)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The H200 run (bench/gpu.py): CUDA kernels checked against the CPU emulation, then FP8 vs BF16
-# linear, training-step and decode speed, and memory. About 5-8 minutes on one H200.
+# linear, training-step and decode speed, and memory. About 5-8 minutes on one H200. With 2+ GPUs,
+# FSDP2 step time and bytes all-gathered, FP32 vs FP8 gather (bench/distributed.py).
 #
 #   bash bench/gpu.sh [OUT_DIR]      # tables in OUT_DIR/gpu.md (default: $OUT or bench/results/gpu)
 #
@@ -23,3 +24,11 @@ fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
 "$PY" bench/gpu.py --out "$OUT_DIR" "${@:2}"
+
+# FSDP2 with FP8 all-gather (bench/distributed.py, NCCL): needs a GPU per rank, so 2 or more
+GPUS="$("$PY" -c "import torch; print(torch.cuda.device_count())")"
+if [ "$GPUS" -ge 2 ]; then
+    "$PY" bench/distributed.py --device cuda --models aligned --batch 8 --seq 512 --out "$OUT_DIR"
+else
+    echo "FSDP2 section skipped: $GPUS GPU here, it needs 2 (one per rank)"
+fi

@@ -14,7 +14,6 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -24,7 +23,7 @@ from jetrl_compile.runtime.fp8_all_gather import GatheredFP8Weight
 from jetrl_compile.runtime.quantize import quantize_blockwise
 from jetrl_compile.runtime.sharding import count_all_gathers, gathered
 from tests.conftest import FSDP_ALIGNED as ALIGNED
-from tests.conftest import tiny_model
+from tests.conftest import run_ranks, tiny_model
 
 STEPS, MICRO = 3, 2
 LINEARS = 14  # 2 decoder layers x 7 projections; lm_head stays unquantized
@@ -159,8 +158,8 @@ def _worker(rank, world, store, out, recipe, mode, parallel, unify_first, optimi
 def _spawn(tmp_path, world, *, recipe="fp8_fwd_bf16_bwd", mode="eager", parallel="fsdp", unify_first=True,
            optimize_ddp=False, fp8_gather=False) -> dict:
     store, out = tmp_path / f"store{world}", tmp_path / f"rank0-{world}.pt"
-    mp.spawn(_worker, args=(world, str(store), str(out), recipe, mode, parallel, unify_first, optimize_ddp,
-                            fp8_gather), nprocs=world)
+    run_ranks(_worker, (world, str(store), str(out), recipe, mode, parallel, unify_first, optimize_ddp, fp8_gather),
+              world)
     return torch.load(out, weights_only=False)
 
 

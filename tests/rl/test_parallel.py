@@ -19,7 +19,7 @@ from jetrl_compile.rl import loop, parallel
 from jetrl_compile.rl.checkpoint import latest_checkpoint
 from jetrl_compile.rl.config import GrpoConfig
 from jetrl_compile.rollout.engines import Completion
-from tests.conftest import FSDP_ALIGNED, VLLM_TINY, ByteTokenizer, tiny_model
+from tests.conftest import FSDP_ALIGNED, VLLM_TINY, ByteTokenizer, run_ranks, tiny_model
 from tests.rl.test_grpo import EarnableTask, _cfg, _untimed
 
 WORLD = 2
@@ -59,7 +59,7 @@ def _rank(rank, world, port, cfg, die_after_step):
 def _run_ranks(tmp_path, name, parallel, *, die_after_step=0, **kw) -> tuple[dict, list[dict]]:
     """(the final checkpoint, metrics rows) of a 4-step run on two ranks."""
     cfg = _cfg(tmp_path / name, steps=4, lr=1e-2, save_every=2, parallel=parallel, recipe=RUNS[parallel][0], **kw)
-    mp.spawn(_rank, args=(WORLD, _free_port(), cfg, die_after_step), nprocs=WORLD)
+    run_ranks(_rank, (WORLD, _free_port(), cfg, die_after_step), WORLD)
     rows = [json.loads(line) for line in (Path(cfg.out) / "metrics.jsonl").read_text().splitlines()]
     final = torch.load(latest_checkpoint(cfg.out), weights_only=True)
     if parallel == "fsdp":  # all but k/v (64 rows) of the 2 layers
@@ -138,7 +138,7 @@ def test_a_data_parallel_update_is_bitwise_one_process_on_the_whole_batch(tmp_pa
     finally:
         torch.set_num_threads(threads)
     out = tmp_path / "rank0.pt"
-    mp.spawn(_update_rank, args=(WORLD, _free_port(), kind, rank1_empty, str(out)), nprocs=WORLD)
+    run_ranks(_update_rank, (WORLD, _free_port(), kind, rank1_empty, str(out)), WORLD)
     weights, loss, grad_norm = torch.load(out, weights_only=True)
     assert ref_stats.grad_norm > 0 and (loss, grad_norm) == (ref_stats.loss, ref_stats.grad_norm)
     for name, w in ref_weights.items():
