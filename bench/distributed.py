@@ -8,7 +8,7 @@ master weights, every decoder layer sharded and then the root, AdamW. Each rank 
 - ``smollm2``: the default model (SmolLM2-135M). Its 576-row projections split into 288-row
   shards, which cut a 128-row block, so over 2 ranks only gate/up (1536 rows) gather in FP8.
 - ``aligned``: a random Llama of the same size class whose every projection has a multiple of
-  256 rows (as 1B-70B models do), so over 2 ranks every linear weight gathers in FP8.
+  256 rows, so over 2 ranks every linear weight gathers in FP8.
 
 Bytes are what one rank receives per step (forward gathers plus the backward's re-gathers),
 counted through FSDP2's ``set_custom_all_gather``; they are exact, not sampled. Step times are

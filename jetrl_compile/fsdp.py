@@ -48,6 +48,8 @@ def fp8_all_gather(model: nn.Module, world_size: int | None = None) -> dict[str,
             "fp8_all_gather: the gathered FP8 weights are tensor subclasses that the compiled trainer does not "
             "trace yet; unify with mode='eager'"
         )
+    if state.fp8_all_gather:
+        raise RuntimeError("fp8_all_gather was already applied to this model; it plans for one world size, once")
     if is_sharded(model):
         raise RuntimeError(
             "fp8_all_gather must run before fully_shard: FSDP2 decides how to gather each weight when it shards it"

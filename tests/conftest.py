@@ -181,8 +181,15 @@ def run_ranks(fn, args: tuple, world: int) -> None:
     """``fn(rank, *args)`` in ``world`` processes, as ``torch.multiprocessing.spawn`` runs them,
     but forked from one server process that imported torch, transformers and the package once for
     the whole run (a spawned process would spend seconds importing them again). The server is
-    single-threaded, so forking from it is safe where forking pytest itself would not be."""
+    single-threaded, so forking from it is safe where forking pytest itself would not be. Each
+    rank gets the caller's environment of now (the server's is that of when it started)."""
     import torch.multiprocessing as mp
 
     mp.get_context("forkserver").set_forkserver_preload(_RANK_PRELOAD)
-    mp.start_processes(fn, args=args, nprocs=world, start_method="forkserver")
+    mp.start_processes(_in_environment, args=(dict(os.environ), fn, args), nprocs=world, start_method="forkserver")
+
+
+def _in_environment(rank: int, environment: dict, fn, args: tuple) -> None:
+    os.environ.clear()
+    os.environ.update(environment)
+    fn(rank, *args)

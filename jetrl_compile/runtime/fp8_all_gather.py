@@ -76,6 +76,10 @@ class ShardWithFP8Gather(torch.Tensor):
     def __repr__(self):
         return f"ShardWithFP8Gather({self.shard!r})"
 
+    def __reduce_ex__(self, protocol):
+        # saved (torch.save, a sharded checkpoint's local tensor) as the plain shard it wraps
+        return self.shard.__reduce_ex__(protocol)
+
     def __tensor_flatten__(self):
         return ["shard"], None
 
@@ -95,8 +99,9 @@ class ShardWithFP8Gather(torch.Tensor):
         """What this rank sends: its shard's FP8 payload and block scales."""
         if self.shard.shape[0] % GROUP:
             raise RuntimeError(
-                f"FP8 all-gather: a shard of {self.shard.shape[0]} rows cuts a 128-row block; "
-                "enable_fp8_all_gather should have left this weight in full precision"
+                f"FP8 all-gather: this rank's shard of a weight of {tuple(outer_size)} holds {self.shard.shape[0]} "
+                f"rows, which cuts a 128-row block. jetrl_compile.fp8_all_gather planned for another number of "
+                f"ranks than FSDP2 shards over ({mesh.size()} here): pass world_size= the size of the shard group"
             )
         with torch.no_grad():
             q, s = quantize_blockwise(self.shard)
@@ -148,8 +153,8 @@ class GatheredFP8Weight(torch.Tensor):
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        (self, *_) = args
-        if func in (_aten.detach.default, _aten.alias.default) or (
+        self = args[0] if args else None
+        if isinstance(self, GatheredFP8Weight) and func in (_aten.detach.default, _aten.alias.default) or (
             func is _aten.as_strided.default and tuple(args[1]) == tuple(self.shape)
         ):
             return GatheredFP8Weight(self.quantized, self.dtype)
@@ -164,12 +169,18 @@ class GatheredFP8Weight(torch.Tensor):
 def fp8_gather_plan(model: torch.nn.Module, recipe, world_size: int) -> dict[str, str | None]:
     """For each linear ``recipe`` rewrites: ``None`` if its weight can be all-gathered as FP8 blocks
     over ``world_size`` ranks, else why not."""
+    names: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
     plan = {}
     for name, module in model.named_modules():
         if not isinstance(module, torch.nn.Linear) or recipe.skip_reason(name) is not None:
             continue
         rows = module.weight.shape[0]
-        if world_size == 1:  # FSDP2 then reads the shard in place, through no all-gather extension
+        tied = [n for n in names[id(module.weight)] if n != f"{name}.weight"]
+        if tied:  # a new parameter for one of them would untie them
+            plan[name] = f"its weight is tied to {tied[0]}"
+        elif world_size == 1:  # FSDP2 then reads the shard in place, through no all-gather extension
             plan[name] = "one rank: FSDP2 gathers nothing"
         elif rows % world_size or (rows // world_size) % GROUP:
             plan[name] = (
@@ -192,6 +203,6 @@ def enable_fp8_all_gather(model: torch.nn.Module, plan: dict[str, str | None]) -
 
 
 def unwrap_fp8_gather(state_dict: dict) -> dict:
-    """``state_dict`` with each ``ShardWithFP8Gather`` (whole, as a full state dict holds it)
-    replaced by the full-precision tensor it wraps: what a checkpoint should hold."""
+    """``state_dict`` with each ``ShardWithFP8Gather`` replaced by the full-precision tensor it
+    wraps (a full state dict of one rank holds the wrapper itself; of several, plain tensors)."""
     return {k: v.shard if isinstance(v, ShardWithFP8Gather) else v for k, v in state_dict.items()}

@@ -121,24 +121,43 @@ class GatherLog:
 @contextlib.contextmanager
 def count_all_gathers(model: nn.Module):
     """Within this block, record the bytes of every all-gather FSDP2 runs for ``model``'s sharded
-    modules (through FSDP2's public ``set_custom_all_gather``); yields the ``GatherLog``."""
-    from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather
+    modules; yields the ``GatherLog``. Each param group's all-gather (FSDP2's default, or what
+    ``set_custom_all_gather`` installed) is wrapped in a counter and put back on exit; the groups
+    are FSDP2 bookkeeping, read here like ``ShardMap`` reads it."""
+    from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather
 
     log = GatherLog()
 
-    class Counting(DefaultAllGather):
-        def __init__(self, module):
-            self.module = module
+    class Counting(AllGather):
+        def __init__(self, module, inner):
+            self.module, self.inner = module, inner
+
+        def allocate(self, *args, **kwargs):
+            return self.inner.allocate(*args, **kwargs)
 
         def __call__(self, output_tensor, input_tensor, group, async_op=False):
             log.calls.append((self.module, output_tensor.nbytes))
-            return super().__call__(output_tensor, input_tensor, group, async_op)
+            return self.inner(output_tensor, input_tensor, group, async_op)
 
-    modules = _fsdp_modules(model)
-    for module in modules:
-        module.set_custom_all_gather(Counting(module))
+    groups = [(module, group) for module in _fsdp_modules(model) for group in _param_groups(module)]
+    before = [group._all_gather_comm for _, group in groups]
+    for (module, group), inner in zip(groups, before):
+        group._all_gather_comm = Counting(module, inner)
     try:
         yield log
     finally:
-        for module in modules:
-            module.set_custom_all_gather(DefaultAllGather())
+        for (_, group), inner in zip(groups, before):
+            group._all_gather_comm = inner
+
+
+def _param_groups(module: nn.Module) -> list:
+    try:
+        groups = module._get_fsdp_state()._fsdp_param_groups
+        for group in groups:
+            group._all_gather_comm  # noqa: B018 - what count_all_gathers swaps
+    except AttributeError as e:
+        raise RuntimeError(
+            f"count_all_gathers reads FSDP2's param groups; this torch ({torch.__version__}) lacks {e.name!r} "
+            f"(written for torch {WRITTEN_FOR_TORCH})"
+        ) from e
+    return groups

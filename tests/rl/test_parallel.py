@@ -19,6 +19,7 @@ from jetrl_compile.rl import loop, parallel
 from jetrl_compile.rl.checkpoint import latest_checkpoint
 from jetrl_compile.rl.config import GrpoConfig
 from jetrl_compile.rollout.engines import Completion
+from jetrl_compile.runtime.fp8_all_gather import ShardWithFP8Gather
 from tests.conftest import FSDP_ALIGNED, VLLM_TINY, ByteTokenizer, run_ranks, tiny_model
 from tests.rl.test_grpo import EarnableTask, _cfg, _untimed
 
@@ -52,8 +53,9 @@ def _rank(rank, world, port, cfg, die_after_step):
     loop.train(cfg, model=model, tokenizer=ByteTokenizer(), task=EarnableTask(seed=0), progress=False)
     if cfg.parallel == "ddp":  # DDP keeps whole replicas: each rank's weights, to compare
         torch.save(model.state_dict(), f"{cfg.out}.rank{rank}.pt")
-    elif rank == 0:  # which weights FSDP2 gathered as FP8 blocks
-        torch.save(jetrl_compile.unified_state(model).fp8_all_gather, f"{cfg.out}.fp8-gather.pt")
+    elif rank == 0:  # which weights FSDP2 gathered as FP8 blocks, and which shards it holds wrapped
+        wrapped = [n for n, p in model.named_parameters() if isinstance(p.to_local(), ShardWithFP8Gather)]
+        torch.save((jetrl_compile.unified_state(model).fp8_all_gather, wrapped), f"{cfg.out}.fp8-gather.pt")
 
 
 def _run_ranks(tmp_path, name, parallel, *, die_after_step=0, **kw) -> tuple[dict, list[dict]]:
@@ -63,8 +65,9 @@ def _run_ranks(tmp_path, name, parallel, *, die_after_step=0, **kw) -> tuple[dic
     rows = [json.loads(line) for line in (Path(cfg.out) / "metrics.jsonl").read_text().splitlines()]
     final = torch.load(latest_checkpoint(cfg.out), weights_only=True)
     if parallel == "fsdp":  # all but k/v (64 rows) of the 2 layers
-        plan = torch.load(f"{cfg.out}.fp8-gather.pt")
-        assert sum(why_not is None for why_not in plan.values()) == 10, plan
+        plan, wrapped = torch.load(f"{cfg.out}.fp8-gather.pt")
+        fp8 = sorted(f"{name}.weight" for name, why_not in plan.items() if why_not is None)
+        assert len(fp8) == 10 and sorted(wrapped) == fp8, (plan, wrapped)
     if parallel == "ddp":
         replicas = [torch.load(f"{cfg.out}.rank{r}.pt") for r in range(WORLD)]
         for key, w in replicas[0].items():

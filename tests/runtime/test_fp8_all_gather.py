@@ -47,8 +47,16 @@ def test_a_shard_that_cuts_a_block_is_refused_and_would_quantize_differently():
     halves = [quantize_blockwise(half) for half in weight.chunk(2)]
     whole = quantize_blockwise(weight)
     assert not torch.equal(torch.cat([h.data for h in halves]).view(torch.uint8), whole.data.view(torch.uint8))
-    with pytest.raises(RuntimeError, match="cuts a 128-row block"):
-        ShardWithFP8Gather(weight.chunk(2)[0]).fsdp_pre_all_gather(None, None, None, None, None)
+    with pytest.raises(RuntimeError, match="holds 288 rows, which cuts a 128-row block.*pass world_size="):
+        ShardWithFP8Gather(weight.chunk(2)[0]).fsdp_pre_all_gather(_Mesh(2), weight.shape, None, None, None)
+
+
+class _Mesh:
+    def __init__(self, n):
+        self.n = n
+
+    def size(self):
+        return self.n
 
 
 def test_the_plan_gathers_fp8_only_where_shards_hold_whole_blocks():
@@ -64,6 +72,21 @@ def test_the_plan_gathers_fp8_only_where_shards_hold_whole_blocks():
     assert sorted(n for n, why_not in four.items() if why_not is None) == [
         "model.layers.0.mlp.gate_proj", "model.layers.0.mlp.up_proj"]
     assert set(fp8_gather_plan(model, get_recipe("jetrl"), 1).values()) == {"one rank: FSDP2 gathers nothing"}
+
+
+def test_tied_weights_are_never_wrapped():
+    """Wrapping one of two tied parameters would untie them: a tied lm_head stays in full precision."""
+    model = tiny_model(layers=1, tie_word_embeddings=True, **FSDP_ALIGNED)
+    plan = fp8_gather_plan(model, get_recipe("jetrl").with_options(include_lm_head=True), 2)
+    assert plan["lm_head"] == "its weight is tied to model.embed_tokens.weight"
+
+
+def test_a_saved_wrapped_shard_loads_as_the_plain_shard(tmp_path):
+    """``torch.save`` of a wrapped shard (a one-rank state dict, a sharded checkpoint's local
+    tensor) writes the plain tensor, which ``torch.load(weights_only=True)`` reads."""
+    torch.save({"w": ShardWithFP8Gather(_weight(256))}, tmp_path / "w.pt")
+    loaded = torch.load(tmp_path / "w.pt", weights_only=True)["w"]
+    assert type(loaded) is torch.Tensor and torch.equal(loaded, _weight(256))
 
 
 def test_the_wrapped_shard_trains_as_the_shard_and_checkpoints_its_values():
