@@ -36,18 +36,9 @@ def fp8_all_gather(model: nn.Module, world_size: int | None = None) -> dict[str,
     Needs a recipe whose GEMMs read the weight only as FP8 blocks (``jetrl``: FP8 fprop and
     dgrad) and ``mode="eager"``."""
     state = unified_state(model)
-    recipe = state.recipe
-    if not (recipe.fprop.is_fp8 and recipe.dgrad.is_fp8):
-        raise ValueError(
-            f"fp8_all_gather: recipe {recipe.name!r} multiplies by the full-precision weight in its BF16 "
-            f"{'fprop' if not recipe.fprop.is_fp8 else 'dgrad'} GEMM, so FSDP2 must gather that weight; "
-            "FP8 all-gather needs FP8 fprop and dgrad (recipe 'jetrl')"
-        )
-    if state.mode != "eager":
-        raise ValueError(
-            "fp8_all_gather: the gathered FP8 weights are tensor subclasses that the compiled trainer does not "
-            "trace yet; unify with mode='eager'"
-        )
+    why_not = fp8_all_gather_refusal(model)
+    if why_not is not None:
+        raise ValueError(f"fp8_all_gather: {why_not}")
     if state.fp8_all_gather:
         raise RuntimeError("fp8_all_gather was already applied to this model; it plans for one world size, once")
     if is_sharded(model):
@@ -60,9 +51,28 @@ def fp8_all_gather(model: nn.Module, world_size: int | None = None) -> dict[str,
         world_size = dist.get_world_size()
     if world_size < 1:
         raise ValueError(f"fp8_all_gather: world_size must be >= 1; got {world_size}")
-    plan = fp8_gather_plan(model, recipe, world_size)
+    plan = fp8_gather_plan(model, state.recipe, world_size)
     enable_fp8_all_gather(model, plan)
     state.fp8_all_gather = plan
     log.info("FSDP2 all-gathers %d of %d linear weights as FP8 blocks (%d ranks)",
              sum(why is None for why in plan.values()), len(plan), world_size)
     return plan
+
+
+def fp8_all_gather_refusal(model: nn.Module) -> str | None:
+    """Why the unified ``model`` cannot gather its weights as FP8 blocks (its recipe or its mode),
+    or None if it can."""
+    state = unified_state(model)
+    recipe = state.recipe
+    if not (recipe.fprop.is_fp8 and recipe.dgrad.is_fp8):
+        return (
+            f"recipe {recipe.name!r} multiplies by the full-precision weight in its BF16 "
+            f"{'fprop' if not recipe.fprop.is_fp8 else 'dgrad'} GEMM, so FSDP2 must gather that weight; "
+            "FP8 all-gather needs FP8 fprop and dgrad (recipe 'jetrl')"
+        )
+    if state.mode != "eager":
+        return (
+            "the gathered FP8 weights are tensor subclasses that the compiled trainer does not trace yet; "
+            "unify with mode='eager'"
+        )
+    return None

@@ -19,10 +19,9 @@ import torch
 import torch.distributed as dist
 
 from ..errors import UsageValueError
-from ..fsdp import fp8_all_gather
+from ..fsdp import fp8_all_gather, fp8_all_gather_refusal
 from ..runtime.fp8_all_gather import unwrap_fp8_gather
 from ..runtime.switches import launcher_world
-from ..state import unified_state
 
 PARALLEL = ("none", "ddp", "fsdp")
 
@@ -117,8 +116,7 @@ def wrap(model: torch.nn.Module, ranks: Ranks) -> torch.nn.Module:
                 f"--parallel fsdp shards each decoder layer, but {type(model).__name__} names none "
                 "(transformers' _no_split_modules); use --parallel ddp"
             )
-        state = unified_state(model)
-        if state.recipe.fprop.is_fp8 and state.recipe.dgrad.is_fp8 and state.mode == "eager":
+        if fp8_all_gather_refusal(model) is None:
             fp8_all_gather(model, ranks.world)  # bitwise the same training, fewer bytes gathered
         for layer in layers:
             fully_shard(layer)

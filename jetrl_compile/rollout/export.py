@@ -30,7 +30,7 @@ import torch.nn as nn
 from .. import __version__
 from ..recipes import DEFAULT_RECIPE, Recipe, get_recipe
 from ..runtime.format import SCALE_NAMES, block_scale_shape
-from ..runtime.sharding import gathered, is_sharded
+from ..runtime.sharding import gathered
 from ..runtime.weight_cache import WeightCache
 from ..state import STATE_ATTR
 
@@ -88,8 +88,8 @@ def rollout_tensors(
     dtype = engine_dtype(model, dtype) if fmt == "jetrl" else torch.bfloat16
     linears = {f"{name}.weight" for name in rollout_linears(model, recipe)}
     scale_name = SCALE_NAMES[fmt]
-    sharded = is_sharded(model)  # FSDP2 frees the gathered weights when the block ends: copy them
-    with torch.no_grad(), gathered(model):  # FSDP2: the whole weights, as its forward sees them
+    # FSDP2: the whole weights, as its forward sees them, freed when the block ends: copy them
+    with torch.no_grad(), gathered(model) as sharded:
         for name, p in model.named_parameters():
             if name not in linears:
                 yield name, p.detach().to(dtype, copy=sharded)

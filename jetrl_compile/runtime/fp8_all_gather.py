@@ -50,13 +50,6 @@ _SHARD_PRESERVING = {
 }
 
 
-def _wrapper_like(cls, t: torch.Tensor, dtype: torch.dtype | None = None):
-    return torch.Tensor._make_wrapper_subclass(
-        cls, t.size(), strides=t.stride(), storage_offset=t.storage_offset(), dtype=dtype or t.dtype,
-        layout=t.layout, device=t.device, requires_grad=t.requires_grad,
-    )
-
-
 class ShardWithFP8Gather(torch.Tensor):
     """A weight's master shard (``.shard``, full precision) that FSDP2 all-gathers as FP8 blocks.
 
@@ -68,7 +61,10 @@ class ShardWithFP8Gather(torch.Tensor):
 
     @staticmethod
     def __new__(cls, shard: torch.Tensor):
-        return _wrapper_like(cls, shard)
+        return torch.Tensor._make_wrapper_subclass(
+            cls, shard.size(), strides=shard.stride(), storage_offset=shard.storage_offset(), dtype=shard.dtype,
+            layout=shard.layout, device=shard.device, requires_grad=shard.requires_grad,
+        )
 
     def __init__(self, shard: torch.Tensor):
         self.shard = shard
@@ -125,10 +121,9 @@ class GatheredFP8Weight(torch.Tensor):
 
     @staticmethod
     def __new__(cls, quantized: Quantized, dtype: torch.dtype, requires_grad: bool = False):
-        t = torch.Tensor._make_wrapper_subclass(
+        return torch.Tensor._make_wrapper_subclass(
             cls, quantized.data.shape, dtype=dtype, device=quantized.data.device, requires_grad=requires_grad,
         )
-        return t
 
     def __init__(self, quantized: Quantized, dtype: torch.dtype, requires_grad: bool = False):
         self.quantized = quantized
@@ -154,17 +149,16 @@ class GatheredFP8Weight(torch.Tensor):
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         self = args[0] if args else None
-        if isinstance(self, GatheredFP8Weight) and func in (_aten.detach.default, _aten.alias.default) or (
+        views_itself = func in (_aten.detach.default, _aten.alias.default) or (
             func is _aten.as_strided.default and tuple(args[1]) == tuple(self.shape)
-        ):
+        )
+        if isinstance(self, GatheredFP8Weight) and views_itself:
             return GatheredFP8Weight(self.quantized, self.dtype)
         raise RuntimeError(
             f"{func} on a weight FSDP2 all-gathered as FP8 blocks: it holds no full-precision values, only "
             "what the recipe op reads (its payload and scales); run it through unify's linear, or shard "
-            "without enable_fp8_all_gather"
+            "without jetrl_compile.fp8_all_gather"
         )
-
-
 
 def fp8_gather_plan(model: torch.nn.Module, recipe, world_size: int) -> dict[str, str | None]:
     """For each linear ``recipe`` rewrites: ``None`` if its weight can be all-gathered as FP8 blocks

@@ -34,19 +34,27 @@ def _fsdp_modules(model: nn.Module) -> list[nn.Module]:
     return [m for m in model.modules() if isinstance(m, fsdp.FSDPModule)]
 
 
+def _bookkeeping(read):
+    """``read()`` of FSDP2's per-module bookkeeping (param groups, their ``FSDPParam`` records and
+    all-gathers), which is not public API: a torch without it is named here, in one place."""
+    try:
+        return read()
+    except AttributeError as e:
+        raise RuntimeError(
+            f"jetrl_compile reads FSDP2's parameter bookkeeping (to know when a sharded weight changed, and to "
+            f"count all-gathers); this torch ({torch.__version__}) lacks {e.name!r} (written for torch "
+            f"{WRITTEN_FOR_TORCH}): pin torch {WRITTEN_FOR_TORCH} or report the torch version"
+        ) from e
+
+
+def _param_groups(module: nn.Module) -> list:
+    return _bookkeeping(lambda: list(module._get_fsdp_state()._fsdp_param_groups))
+
+
 def _fsdp_params(model: nn.Module):
     """Every FSDP2 ``FSDPParam`` of ``model``'s modules."""
     for module in _fsdp_modules(model):
-        try:
-            groups = module._get_fsdp_state()._fsdp_param_groups
-            params = [p for group in groups for p in group.fsdp_params]
-        except AttributeError as e:
-            raise RuntimeError(
-                f"jetrl_compile reads FSDP2's parameter bookkeeping to know when a sharded weight changed; this "
-                f"torch ({torch.__version__}) lacks {e.name!r} (written for torch {WRITTEN_FOR_TORCH}): pin torch "
-                f"{WRITTEN_FOR_TORCH} or report the torch version"
-            ) from e
-        yield from params
+        yield from _bookkeeping(lambda module=module: [p for g in _param_groups(module) for p in g.fsdp_params])
 
 
 class ShardMap:
@@ -95,12 +103,13 @@ def is_sharded(model: nn.Module) -> bool:
 def gathered(model: nn.Module):
     """Within this block every FSDP2-sharded module of ``model`` holds its unsharded parameters,
     as during its forward (for reading all weights, e.g. to export them to the engine); on exit
-    they are sharded again. A collective: every rank must enter it. A no-op without FSDP2."""
+    they are sharded again. A collective: every rank must enter it. A no-op without FSDP2.
+    Yields whether anything was gathered (FSDP2 frees the gathered weights on exit)."""
     modules = _fsdp_modules(model)
     for module in modules:
         module.unshard()
     try:
-        yield model
+        yield bool(modules)
     finally:
         for module in modules:
             module.reshard()
@@ -123,7 +132,7 @@ def count_all_gathers(model: nn.Module):
     """Within this block, record the bytes of every all-gather FSDP2 runs for ``model``'s sharded
     modules; yields the ``GatherLog``. Each param group's all-gather (FSDP2's default, or what
     ``set_custom_all_gather`` installed) is wrapped in a counter and put back on exit; the groups
-    are FSDP2 bookkeeping, read here like ``ShardMap`` reads it."""
+    are FSDP2 bookkeeping (``_bookkeeping``)."""
     from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather
 
     log = GatherLog()
@@ -140,7 +149,7 @@ def count_all_gathers(model: nn.Module):
             return self.inner(output_tensor, input_tensor, group, async_op)
 
     groups = [(module, group) for module in _fsdp_modules(model) for group in _param_groups(module)]
-    before = [group._all_gather_comm for _, group in groups]
+    before = [_bookkeeping(lambda group=group: group._all_gather_comm) for _, group in groups]
     for (module, group), inner in zip(groups, before):
         group._all_gather_comm = Counting(module, inner)
     try:
@@ -148,16 +157,3 @@ def count_all_gathers(model: nn.Module):
     finally:
         for (_, group), inner in zip(groups, before):
             group._all_gather_comm = inner
-
-
-def _param_groups(module: nn.Module) -> list:
-    try:
-        groups = module._get_fsdp_state()._fsdp_param_groups
-        for group in groups:
-            group._all_gather_comm  # noqa: B018 - what count_all_gathers swaps
-    except AttributeError as e:
-        raise RuntimeError(
-            f"count_all_gathers reads FSDP2's param groups; this torch ({torch.__version__}) lacks {e.name!r} "
-            f"(written for torch {WRITTEN_FOR_TORCH})"
-        ) from e
-    return groups
