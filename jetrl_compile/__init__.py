@@ -13,7 +13,9 @@ import importlib
 import logging
 
 from .recipes import DEFAULT_RECIPE, RECIPES, Recipe, get_recipe
-from .unify import precision_report, restore, unify  # the module shares the function's name: bind it here
+
+# the module shares the function's name: bind it here
+from .unify import linear_precisions, precision_report, restore, unify
 
 __version__ = "0.1.0"
 
@@ -37,6 +39,7 @@ __all__ = [  # the lazy names (_PUBLIC) resolve through __getattr__
     "RECIPES",
     "Recipe",
     "get_recipe",
+    "linear_precisions",
     "precision_report",
     "restore",
     "unify",

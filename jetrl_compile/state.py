@@ -18,7 +18,9 @@ class UnifiedState:
     mode: str
     cache: WeightCache = field(default_factory=WeightCache)
     graphs: list = field(default_factory=list)  # passes.backend.GraphRecord, one per compile
-    patched: list[nn.Module] = field(default_factory=list)
+    patched: list[nn.Module] = field(default_factory=list)  # linears calling the recipe op eagerly
+    compiled: list[nn.Module] = field(default_factory=list)  # modules whose call is compiled
+    regions: dict[str, list[str]] = field(default_factory=dict)  # layer class -> the layers compiled with it
     exact: bool = False  # exact mode (jetrl_compile.exact): invariant numerics end to end
     exact_undo: list = field(default_factory=list)
     fp8_all_gather: dict = field(default_factory=dict)  # linear -> None (FSDP2 gathers FP8) or why not

@@ -36,6 +36,7 @@ def unify(
     mode: str | None = None,
     compiler: str = "inductor",
     exact: bool = False,
+    regional: bool = True,
 ) -> nn.Module:
     """Make ``model``'s linear GEMMs follow ``recipe``; returns the same model object.
 
@@ -48,6 +49,10 @@ def unify(
     - ``exact=True``: exact mode (``jetrl_compile.exact``): every op from the embedding to the
       logits runs invariant numerics, so the logprob a token gets while the model decodes it is
       bitwise the one the trainer recomputes. Eager only for now (docs/design.md, section 8).
+    - ``regional=True`` (compile mode): compile the repeated decoder layer once and reuse it for
+      every layer (``passes.regions``); embeddings, final norm and head stay eager (an eligible
+      linear among them, ``lm_head`` with ``include_lm_head``, calls the recipe op eagerly).
+      ``regional=False`` compiles the whole model as one graph.
     - ``compiler="aot_eager"``: the same pass and AOTAutograd graphs, run without Inductor (fast
       to compile; for debugging numerics and for tests that only inspect graphs).
     """
@@ -65,10 +70,22 @@ def unify(
         raise ValueError(f"unify compiler {compiler!r} is unknown; choose one of {', '.join(COMPILERS)}")
     state = UnifiedState(recipe=r, mode=mode, exact=bool(exact), cache=WeightCache(model))
     if mode == "compile":
+        from .passes import regions
         from .passes.backend import JetrlBackend
 
         _make_room_for_another_compiled_model()
-        model.compile(backend=JetrlBackend(model, state, compiler), dynamic=dynamic, fullgraph=fullgraph)
+        backend = JetrlBackend(model, state, compiler)
+        layers = regions.find_layers(model) if regional else {}
+        if layers:
+            state.regions, state.compiled = regions.compile_layers(
+                layers, backend, r, dynamic=dynamic, fullgraph=fullgraph
+            )
+            in_layers = {id(m) for layer in state.compiled for m in layer.modules()}
+            outside = {id(m) for m in model.modules()} - in_layers
+            state.patched = _patch_linears_eager(model, state.recipe, state.cache, only=outside)
+        else:
+            model.compile(backend=backend, dynamic=dynamic, fullgraph=fullgraph)
+            state.compiled = [model]
     else:
         state.patched = _patch_linears_eager(model, state.recipe, state.cache, exact=state.exact)
     if state.exact:
@@ -107,7 +124,8 @@ def restore(model: nn.Module) -> nn.Module:
     process-wide (Dynamo's recompile limit) is back as it was."""
     state = unified_state(model)
     if state.mode == "compile":
-        model._compiled_call_impl = None
+        for module in state.compiled:
+            module._compiled_call_impl = None
         _give_back_room()
     for module in state.patched:
         del module.forward
@@ -121,9 +139,50 @@ def restore(model: nn.Module) -> nn.Module:
 
 
 def precision_report(model: nn.Module) -> list[dict]:
-    """One report per compiled graph (see ``passes.dump`` for the format)."""
+    """One report per compiled graph (see ``passes.dump`` for the format). A compiled layer's
+    graph reports every layer that runs it (``"modules"``), each with its linears."""
     state = unified_state(model)
-    return [g.report(state.recipe) for g in state.graphs]
+    return [g.report(state.recipe, state.regions) for g in state.graphs]
+
+
+def linear_precisions(model: nn.Module) -> dict[str, dict]:
+    """Every ``nn.Linear`` of a unified model, one row each: ``fprop``/``dgrad``/``wgrad`` and
+    where they come from (``source``):
+
+    - ``"graph <n>"``: read off the compiled graph that runs it (the forward and backward graphs
+      handed to Inductor; a layer compiled once for all layers reports each of them);
+    - ``"eager op"``: it calls the recipe op eagerly (eager mode, or a linear outside the
+      compiled layers, such as ``lm_head`` with ``include_lm_head``);
+    - ``"not compiled yet"``: inside a compiled graph that has not run;
+    - ``"not quantized: <reason>"``: a plain ``nn.Linear`` in its own dtype.
+
+    ``dgrad``/``wgrad`` are None where only no-grad graphs ran."""
+    state = unified_state(model)
+    rows: dict[str, dict] = {}
+    for report in precision_report(model):
+        for row in report["linears"]:
+            seen = rows.get(row["module"])
+            if seen is None or (seen["dgrad"] is None and row["dgrad"] is not None):
+                rows[row["module"]] = dict(row, source=f"graph {report['graph']}")
+    eager = {id(m) for m in state.patched}
+    compiled = {id(m) for c in state.compiled for m in c.modules()}
+    r = state.recipe
+    for name, module in model.named_modules():
+        if not isinstance(module, nn.Linear) or name in rows:
+            continue
+        row = {"module": name, "shape": list(module.weight.shape)}
+        reason = r.skip_reason(name)
+        if id(module) in eager:
+            rows[name] = dict(row, fprop=r.fprop.dtype, dgrad=r.dgrad.dtype, wgrad=r.wgrad.dtype, source="eager op")
+        elif reason is None and id(module) in compiled:
+            rows[name] = dict(row, fprop="?", dgrad=None, wgrad=None, source="not compiled yet")
+        else:
+            own = _DTYPE_TAGS.get(module.weight.dtype, str(module.weight.dtype))
+            rows[name] = dict(row, fprop=own, dgrad=own, wgrad=own, source=f"not quantized: {reason}")
+    return rows
+
+
+_DTYPE_TAGS = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 
 def _check_model(model) -> None:
@@ -162,14 +221,17 @@ def _check_model(model) -> None:
 
 
 def _patch_linears_eager(
-    model: nn.Module, recipe: Recipe, cache: WeightCache, *, exact: bool = False
+    model: nn.Module, recipe: Recipe, cache: WeightCache, *, exact: bool = False, only: set[int] | None = None
 ) -> list[nn.Module]:
-    """Each eligible nn.Linear calls the recipe op directly, no compile; returns the patched modules."""
+    """Each eligible nn.Linear calls the recipe op directly, no compile; returns the patched
+    modules. ``only``: ids of the modules that may be patched (default: all)."""
     needs_q = recipe.needs_quantized_weight
     fixed_kind = "fp8" if recipe.fprop.is_fp8 else "bf16"
     patched = []
     for name, module in model.named_modules():
         if not isinstance(module, nn.Linear) or recipe.skip_reason(name) is not None:
+            continue
+        if only is not None and id(module) not in only:
             continue
 
         def forward(x, module=module):
@@ -203,7 +265,12 @@ def rollout_forward(model: nn.Module):
     if state.recipe.on_policy:
         yield model
         return
-    compiled, model._compiled_call_impl = model._compiled_call_impl, None
+    compiled = [(module, module._compiled_call_impl) for module in state.compiled]
+    for module in state.compiled:
+        module._compiled_call_impl = None
+    training = {id(module) for module in state.patched}  # the training forward's eager linears
+    for module in state.patched:
+        del module.forward
     rollout_recipe = dataclasses.replace(state.recipe, fprop=state.recipe.rollout)
     sampling = _patch_linears_eager(model, rollout_recipe, state.cache, exact=state.exact)
     try:
@@ -211,6 +278,6 @@ def rollout_forward(model: nn.Module):
     finally:
         for module in sampling:
             del module.forward
-        if state.mode == "eager":
-            state.patched = _patch_linears_eager(model, state.recipe, state.cache, exact=state.exact)
-        model._compiled_call_impl = compiled
+        state.patched = _patch_linears_eager(model, state.recipe, state.cache, exact=state.exact, only=training)
+        for module, call in compiled:
+            module._compiled_call_impl = call

@@ -24,16 +24,18 @@ def _ids(batch=2, length=32, seed=0):
 def test_every_projection_rewritten_and_lm_head_embeddings_not(family):
     model = tiny_model(family, layers=2)
     jetrl_compile.unify(model, "fp8_fwd_bf16_bwd", compiler="aot_eager")
-    with torch.no_grad():
-        model(_ids(1, 8))
-    (report,) = jetrl_compile.precision_report(model)
-    rows = {r["module"]: r for r in report["linears"]}
+    eager = jetrl_compile.unify(tiny_model(family, layers=2), "fp8_fwd_bf16_bwd", mode="eager")
+    with torch.no_grad():  # with a KV cache: its update runs between two graphs of the layer
+        assert torch.equal(model(_ids(1, 8)).logits, eager(_ids(1, 8)).logits)
+    state = jetrl_compile.unified_state(model)
+    assert list(state.regions.values()) == [["model.layers.0", "model.layers.1"]], "one layer compile for both"
+    rows = jetrl_compile.linear_precisions(model)
     expected = {f"model.layers.{i}.{p}" for i in range(2) for p in ("self_attn." + q for q in PROJECTIONS[:4])}
     expected |= {f"model.layers.{i}.mlp.{p}" for i in range(2) for p in PROJECTIONS[4:]}
     assert {m for m, r in rows.items() if r["fprop"] == "fp8"} == expected
-    assert rows["lm_head"]["fprop"] == "fp32"
-    assert [s["module"] for s in report["skipped"]] == ["lm_head"]
-    assert not any("embed" in m for m in rows), "embeddings are lookups, never GEMM sites"
+    assert all(rows[m]["source"].startswith("graph ") for m in expected), "read off the compiled graphs"
+    assert rows["lm_head"]["fprop"] == "fp32" and rows["lm_head"]["source"].startswith("not quantized: lm_head")
+    assert set(rows) == expected | {"lm_head"}, "embeddings are lookups, never GEMM sites"
 
 
 @pytest.mark.parametrize("recipe", ["bf16", "fp8_fwd_bf16_bwd", "jetrl"])
@@ -44,11 +46,10 @@ def test_precision_report_reads_every_gemm_on_either_bf16_gemm_path(recipe, gemm
     jetrl_compile.unify(model, recipe, compiler="aot_eager")
     ids = _ids(1, 8)
     model(ids, labels=ids).loss.backward()
-    (report,) = jetrl_compile.precision_report(model)
-    assert report["bf16_gemm"] == gemm_path
+    assert {report["bf16_gemm"] for report in jetrl_compile.precision_report(model)} == {gemm_path}
     fwd = "bf16" if recipe == "bf16" else "fp8"
     bwd = "fp8" if recipe == "jetrl" else "bf16"
-    for row in report["linears"]:
+    for row in jetrl_compile.linear_precisions(model).values():
         expected = ("fp32",) * 3 if row["module"] == "lm_head" else (fwd, bwd, bwd)
         assert (row["fprop"], row["dgrad"], row["wgrad"]) == expected, row
 
@@ -57,15 +58,17 @@ def test_include_lm_head_and_skip_patterns():
     model = tiny_model("llama", layers=2)
     jetrl_compile.unify(model, "fp8_fwd_bf16_bwd", include_lm_head=True, skip=["*.layers.1.mlp.*"],
                         compiler="aot_eager")
-    with torch.no_grad():
-        model(_ids(1, 8))
-    (report,) = jetrl_compile.precision_report(model)
-    fp8 = {r["module"] for r in report["linears"] if r["fprop"] == "fp8"}
+    ids = _ids(1, 8)
+    model(ids, labels=ids).loss.backward()
+    rows = jetrl_compile.linear_precisions(model)
+    fp8 = {m for m, r in rows.items() if r["fprop"] == "fp8"}
     assert "lm_head" in fp8 and "model.layers.1.mlp.up_proj" not in fp8 and "model.layers.0.mlp.up_proj" in fp8
-    assert report["summary"] == (
-        "rewrote 12 of 15 linears; skipped model.layers.1.mlp.down_proj, "
-        "model.layers.1.mlp.gate_proj, model.layers.1.mlp.up_proj"
-    )
+    assert rows["lm_head"] == dict(rows["lm_head"], dgrad="bf16", wgrad="bf16", source="eager op")
+    # layer 1 skips its MLP, so it compiles apart from layer 0: its MLP GEMMs read FP32 off its graphs
+    assert list(jetrl_compile.unified_state(model).regions.values()) == [["model.layers.0"], ["model.layers.1"]]
+    for name in ("gate_proj", "up_proj", "down_proj"):
+        row = rows[f"model.layers.1.mlp.{name}"]
+        assert (row["fprop"], row["dgrad"], row["wgrad"]) == ("fp32",) * 3 and row["source"].startswith("graph ")
 
 
 # --- training: one compiled model per recipe, shared by the tests below ----------------------
@@ -73,11 +76,12 @@ def test_include_lm_head_and_skip_patterns():
 
 @pytest.fixture(scope="module")
 def trained():
-    """For each recipe: a 1-layer Llama with FP32 master weights, 30 AdamW steps on a fixed batch."""
+    """For each recipe: a 1-layer Llama with FP32 master weights, 30 AdamW steps on a fixed batch.
+    No KV cache (as a trainer runs): the layer is one graph, forward and backward."""
     runs = {}
     ids = _ids()
     for recipe in TRAIN_RECIPES:
-        model = tiny_model("llama", layers=1, seed=0)
+        model = tiny_model("llama", layers=1, seed=0, use_cache=False)
         jetrl_compile.unify(model, recipe)
         opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
         losses = []
@@ -102,10 +106,9 @@ def test_backward_graph_float8_rules(trained, recipe):
         assert graph.forward_has_fp8 and graph.backward_has_fp8
     else:
         assert not graph.forward_has_fp8 and not graph.backward_has_fp8
-    (report,) = jetrl_compile.precision_report(model)
     fwd = "fp8" if recipe in ("fp8_fwd_bf16_bwd", "jetrl") else "bf16"
     bwd = "fp8" if recipe == "jetrl" else "bf16"
-    for row in report["linears"]:
+    for row in jetrl_compile.linear_precisions(model).values():
         if row["module"] == "lm_head":
             assert (row["fprop"], row["dgrad"], row["wgrad"]) == ("fp32", "fp32", "fp32")
         else:
@@ -207,9 +210,11 @@ def test_fp8_logits_differ_slightly_from_bf16_and_equal_swapped_op_reference():
         bf16_logits = model(ids).logits.float()
     reference = _swap_linears(tiny_model("llama", layers=2, dtype=torch.bfloat16))
     jetrl_compile.unify(model, "fp8_fwd_bf16_bwd")
+    for layer in reference.model.layers:  # compiled per layer, as unify does
+        layer.compile()
     with torch.no_grad():
-        fp8_logits = model(ids).logits.float()
-        ref_logits = torch.compile(reference)(ids).logits.float()
+        fp8_logits = model(ids, use_cache=False).logits.float()
+        ref_logits = reference(ids, use_cache=False).logits.float()
     diff = (fp8_logits - bf16_logits).abs()
     # Random tiny-model logits are small (mean |logit| about 0.2); two FP8 layers move them by
     # a few percent of that. 15% is far below what a wrong GEMM or a skipped scale would do.
@@ -224,7 +229,7 @@ def test_dump_writes_graphs_and_precision_report(tmp_path, monkeypatch):
     model = tiny_model("llama", layers=2)
     jetrl_compile.unify(model, "fp8_fwd_bf16_bwd")
     ids = _ids(1, 16)
-    model(ids, labels=ids).loss.backward()
+    model(ids, labels=ids, use_cache=False).loss.backward()  # graph 0: the decoder layer, run by both
     # a second model in the same process (a reference model, another recipe) gets its own folder
     other = jetrl_compile.unify(tiny_model("llama", layers=1), "bf16", compiler="aot_eager")
     with torch.no_grad():
@@ -247,15 +252,18 @@ def test_dump_writes_graphs_and_precision_report(tmp_path, monkeypatch):
     assert "fp8_linear" in (graph / "dynamo_after.py").read_text()
     assert "fp8_linear" not in (graph / "dynamo_before.py").read_text()
     report = json.loads((graph / "precision_report.json").read_text())
-    assert report["backward_compiled"] and len(report["linears"]) == 15
+    assert report["backward_compiled"] and len(report["linears"]) == 14
+    assert (report["region"], report["modules"]) == ("LlamaDecoderLayer", ["model.layers.0", "model.layers.1"])
     assert_expected_inline(
         (graph / "precision_report.md").read_text(),
         """\
 # Precision report, graph 0
 
-Recipe `fp8_fwd_bf16_bwd`: rewrote 14 of 15 linears; skipped lm_head.
+Recipe `fp8_fwd_bf16_bwd`: rewrote 7 of 7 linears.
 Read off the compiled graphs: forward yes, backward yes.
 FP8 GEMM kernel: emulated (dequantize + fp32 matmul of bf16 values); BF16 GEMM path: `fp32`.
+Regional compilation: a compiled `LlamaDecoderLayer`, run by 2 layers
+(`model.layers.0` ... `model.layers.1`); the table lists each.
 
 | module | shape (N, K) | fprop | dgrad | wgrad |
 |---|---|---|---|---|
@@ -273,28 +281,36 @@ FP8 GEMM kernel: emulated (dequantize + fp32 matmul of bf16 values); BF16 GEMM p
 | `model.layers.1.mlp.gate_proj` | 320x200 | fp8 | bf16 | bf16 |
 | `model.layers.1.mlp.up_proj` | 320x200 | fp8 | bf16 | bf16 |
 | `model.layers.1.mlp.down_proj` | 200x320 | fp8 | bf16 | bf16 |
-| `lm_head` | 256x200 | fp32 | fp32 | fp32 |
-
-Skipped:
-
-- `lm_head`: lm_head stays in the model dtype: logprobs are what RL optimises (include_lm_head=True to quantize it)
 """,
     )
 
 
-def test_dynamic_sequence_lengths_do_not_recompile_and_generate_works():
-    model = tiny_model("llama", layers=1, dtype=torch.bfloat16)
+def test_one_layer_compile_serves_every_layer_and_every_length():
+    """Regional compilation: a 4-layer model compiles its decoder layer once, and with
+    ``dynamic=True`` no sequence length of 5..64 recompiles it. With a KV cache the layer is
+    the graphs around the cache update, again shared by every layer; generate works."""
+    model = tiny_model("llama", layers=4, dtype=torch.bfloat16)
     # aot_eager: shape specialisation is decided by Dynamo and AOTAutograd, before Inductor.
     jetrl_compile.unify(model, "fp8_fwd_bf16_bwd", dynamic=True, compiler="aot_eager")
     state = jetrl_compile.unified_state(model)
+    whole = tiny_model("llama", layers=4, dtype=torch.bfloat16)
+    jetrl_compile.unify(whole, "fp8_fwd_bf16_bwd", dynamic=True, compiler="aot_eager", regional=False)
     with torch.no_grad():
+        logits = model(_ids(2, 5), use_cache=False).logits
+        assert state.compiles == 1, "one graph for the four layers"
+        assert torch.equal(logits, whole(_ids(2, 5), use_cache=False).logits)
+        for length in (9, 17, 30, 64):
+            model(_ids(2, length), use_cache=False)
+        assert state.compiles == 1
         model(_ids(2, 5))
-        compiles = state.compiles
+        with_cache = state.compiles
         for length in (9, 17, 30, 64):
             model(_ids(2, length))
-    assert compiles == 1 and state.compiles == compiles
+    assert 1 < with_cache == state.compiles <= 1 + 4, "the graphs around the cache update, once for all layers"
     out = model.generate(_ids(1, 6), max_new_tokens=4, do_sample=False)
     assert out.shape == (1, 10)
+    eager = jetrl_compile.unify(tiny_model("llama", layers=4, dtype=torch.bfloat16), "fp8_fwd_bf16_bwd", mode="eager")
+    assert torch.equal(out, eager.generate(_ids(1, 6), max_new_tokens=4, do_sample=False))
 
 
 # --- API behaviour --------------------------------------------------------------------------------
@@ -325,36 +341,39 @@ def test_eager_mode_and_restore():
     jetrl_compile.unify(model, "bf16", mode="eager")  # unify again after restore is fine
 
 
-def test_eager_mode_keeps_the_recipe_under_gradient_checkpointing():
-    """transformers' gradient checkpointing recomputes each layer in the backward; eager mode's
-    patched linears recompute the recipe's FP8 forward and run its BF16 backward, so the gradients
-    are bitwise those without checkpointing (and not the plain model's)."""
+@pytest.mark.parametrize("mode", ["eager", "compile"])
+def test_the_recipe_holds_under_gradient_checkpointing(mode):
+    """transformers' gradient checkpointing recomputes each layer in the backward. Eager mode's
+    patched linears and regional compilation's compiled layers (the very call transformers
+    checkpoints) recompute the recipe's FP8 forward and run its BF16 backward, so the gradients
+    are bitwise those without checkpointing and those of the eager op (and not the plain model's)."""
     ids = _ids(2, 12)
 
-    def grads(unified: bool, checkpointing: bool) -> list[torch.Tensor]:
+    def grads(unified: str | None, checkpointing: bool) -> list[torch.Tensor]:
         model = tiny_model("llama", layers=2)
         if unified:
-            jetrl_compile.unify(model, "fp8_fwd_bf16_bwd", mode="eager")
+            jetrl_compile.unify(model, "fp8_fwd_bf16_bwd", mode=unified, compiler="aot_eager")
         if checkpointing:
             model.gradient_checkpointing_enable()
         model.train()
         model(ids, labels=ids).loss.backward()
         return [p.grad for p in model.parameters()]
 
-    plain, straight, recomputed = grads(False, False), grads(True, False), grads(True, True)
-    assert all(torch.equal(a, b) for a, b in zip(straight, recomputed))
-    assert not all(torch.equal(a, b) for a, b in zip(plain, straight)), "the recipe changes the gradients"
+    plain, eager, recomputed = grads(None, False), grads("eager", False), grads(mode, True)
+    assert all(torch.equal(a, b) for a, b in zip(eager, recomputed))
+    assert not all(torch.equal(a, b) for a, b in zip(plain, eager)), "the recipe changes the gradients"
 
 
-def test_compile_mode_refuses_gradient_checkpointing():
-    """Under checkpointing the layers run outside the compiled graphs as plain modules (the
-    gradients would be the plain model's, bitwise): the compile is refused, naming the fixes."""
+def test_whole_model_compile_refuses_gradient_checkpointing():
+    """Compiled as one graph, the model would run its checkpointed layers outside that graph as
+    plain modules (the gradients would be the plain model's, bitwise): refused, naming the fixes."""
     model = tiny_model("llama", layers=1)
-    jetrl_compile.unify(model, "fp8_fwd_bf16_bwd", compiler="aot_eager")
+    jetrl_compile.unify(model, "fp8_fwd_bf16_bwd", compiler="aot_eager", regional=False)
     model.gradient_checkpointing_enable()
     model.train()
     ids = _ids(1, 8)
-    with pytest.raises(Exception, match=r"gradient_checkpointing_disable\(\), or unify with mode='eager'"):
+    fixes = r"regional=True .*gradient_checkpointing_disable\(\), or unify with mode='eager'"
+    with pytest.raises(Exception, match=fixes):
         model(ids, labels=ids)
     model.eval()  # transformers checkpoints only while training
     with torch.no_grad():

@@ -45,11 +45,13 @@ class GraphRecord:
     forward_has_fp8: bool | None = None
     backward_has_fp8: bool | None = None
 
-    def report(self, recipe: Recipe) -> dict:
+    def report(self, recipe: Recipe, regions: dict[str, list[str]] | None = None) -> dict:
+        """Per linear, the precisions read off the graphs. A graph of a compiled layer (regional
+        compilation) runs for every layer of its class: its rows repeat for each of them."""
         weight_shapes = {s.module: s.shape for s in self.rewrite.sites}
         fprop = {r.module: r.precision for r in self.forward or [] if r.module in weight_shapes}
         bwd = classify_backward(self.backward or [], weight_shapes)
-        linears = [
+        rows = [
             {
                 "module": module,
                 "shape": list(shape),
@@ -59,17 +61,34 @@ class GraphRecord:
             }
             for module, shape in weight_shapes.items()
         ]
+        skipped = [{"module": s.module, "shape": list(s.shape), "reason": s.reason} for s in self.rewrite.skipped]
+        region, traced, members = _region_of([*weight_shapes, *(s["module"] for s in skipped)], regions or {})
+        if region is not None:
+            rows = [dict(row, module=member + row["module"][len(traced):]) for member in members for row in rows]
+            skipped = [dict(s, module=member + s["module"][len(traced):]) for member in members for s in skipped]
         return {
             "graph": self.graph_id,
             "recipe": recipe.name,
             "summary": self.rewrite.summary(),
+            "region": region,
+            "modules": members,
             "bf16_gemm": self.bf16_gemm,
             "fp8_kernel": self.fp8_kernel,
             "forward_compiled": self.forward is not None,
             "backward_compiled": self.backward is not None,
-            "linears": linears,
-            "skipped": [{"module": s.module, "shape": list(s.shape), "reason": s.reason} for s in self.rewrite.skipped],
+            "linears": rows,
+            "skipped": skipped,
         }
+
+
+def _region_of(modules: list[str], regions: dict[str, list[str]]) -> tuple[str | None, str, list[str]]:
+    """(layer class, the layer the graph was traced from, every layer that runs it) for a graph
+    of a compiled layer; (None, "", []) for a graph of the whole model or one without linears."""
+    for cls, members in regions.items():
+        for member in members:
+            if modules and all(m.startswith(member + ".") for m in modules):
+                return cls, member, members
+    return None, "", []
 
 
 def _param_table(model: nn.Module) -> dict[int, ParamInfo]:
@@ -93,7 +112,8 @@ class JetrlBackend:
         self.dump_folder = dump.model_folder(state.recipe.name)
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs):
-        _refuse_gradient_checkpointing(self.model)
+        if not self.state.regions:  # a compiled layer is what checkpointing calls and recomputes
+            _refuse_gradient_checkpointing(self.model)
         _refuse_ddp_optimizer()
         state, recipe = self.state, self.state.recipe
         record = self._new_record(str(gm.meta.get("dynamo_compile_id", "")))
@@ -187,7 +207,7 @@ class JetrlBackend:
         if dump.dump_enabled():
             name = "aot_backward" if backward else ("aot_forward_inference" if inference else "aot_forward")
             dump.write_graph(self.dump_folder, record.graph_id, name, aot_gm)
-            dump.write_report(self.dump_folder, record.graph_id, record.report(self.state.recipe))
+            dump.write_report(self.dump_folder, record.graph_id, record.report(self.state.recipe, self.state.regions))
 
 
 def _qualify_module_names(gemms: list[GemmRecord], modules: set[str]) -> None:
@@ -207,13 +227,14 @@ def _refuse_gradient_checkpointing(model: nn.Module) -> None:
     """transformers' gradient checkpointing (on while training) calls each decoder layer through
     ``torch.utils.checkpoint``, where Dynamo breaks the graph: the layers then run eagerly as plain
     modules, forward and recomputed backward, and the recipe would silently not apply (measured:
-    gradients bitwise the plain model's). Refuse when Dynamo compiles such a call."""
+    gradients bitwise the plain model's). Refuse when Dynamo compiles such a call of the whole
+    model; regional compilation compiles the layer call itself, which checkpointing recomputes."""
     if model.training and getattr(model, "is_gradient_checkpointing", False):
         raise ValueError(
-            "unify(mode='compile') cannot run under gradient checkpointing: transformers calls each layer "
-            "through torch.utils.checkpoint, outside the compiled graphs, where its linears would run as plain "
-            "nn.Linear; call model.gradient_checkpointing_disable(), or unify with mode='eager' (its patched "
-            "linears keep the recipe when a layer is recomputed)"
+            "unify(mode='compile', regional=False) cannot run under gradient checkpointing: transformers calls "
+            "each layer through torch.utils.checkpoint, outside the compiled graph, where its linears would run as "
+            "plain nn.Linear; unify with regional=True (the default: each compiled layer is what checkpointing "
+            "recomputes), call model.gradient_checkpointing_disable(), or unify with mode='eager'"
         )
 
 

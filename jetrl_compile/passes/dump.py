@@ -12,6 +12,10 @@ Inside, one folder per compiled graph, ``graph_000/``, ``graph_001/``, ... holds
   graphs handed to Inductor, with dtypes on every value (``f8e4m3fn`` marks FP8),
 - ``precision_report.md`` and ``precision_report.json``: per linear, the precision of fprop,
   dgrad and wgrad as read off those graphs, and the skipped modules with the reason.
+
+Under regional compilation (``unify``'s default) a graph is a decoder layer's, traced once and run
+by every layer of its class: its report names those layers (``"region"``, ``"modules"``) and lists
+the linears of each, so the reports together cover every compiled linear of the model.
 """
 
 from __future__ import annotations
@@ -83,6 +87,14 @@ def report_markdown(report: dict) -> str:
         f"Read off the compiled graphs: forward {'yes' if report['forward_compiled'] else 'no'}, "
         f"backward {'yes' if report['backward_compiled'] else 'not compiled (yet)'}.",
         f"FP8 GEMM kernel: {report['fp8_kernel']}; BF16 GEMM path: `{report['bf16_gemm']}`.",
+    ]
+    if report.get("region"):
+        members = report["modules"]
+        lines.append(
+            f"Regional compilation: a compiled `{report['region']}`, run by {len(members)} layers\n"
+            f"(`{members[0]}`{' ... `' + members[-1] + '`' if len(members) > 1 else ''}); the table lists each."
+        )
+    lines += [
         "",
         "| module | shape (N, K) | fprop | dgrad | wgrad |",
         "|---|---|---|---|---|",
