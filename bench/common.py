@@ -78,14 +78,14 @@ def write_result(name: str, command: str, body: str, folder: Path = RESULTS) -> 
     return path
 
 
-def run_in_subprocess(script: str, worker_arg: str, extra: list[str]) -> dict:
+def run_in_subprocess(script: str, worker_arg: str, extra: list[str], env: dict | None = None) -> dict:
     """Run ``script --worker worker_arg *extra`` in a fresh process (one in-process vLLM engine per
-    process) and return the JSON it prints on a ``RESULT`` line."""
+    process; ``env``: variables to set there) and return the JSON it prints on a ``RESULT`` line."""
     import json
     import subprocess
     import sys
 
-    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0")
+    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", **(env or {}))
     proc = subprocess.run(
         [sys.executable, script, "--worker", worker_arg, *extra], capture_output=True, text=True, env=env
     )
