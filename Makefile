@@ -45,6 +45,7 @@ demo: venv
 bench: venv
 	$(BIN)/python bench/linear.py --quick
 	$(BIN)/python bench/train_step.py --recipes bf16,fp8_fwd_bf16_bwd --batch 4 --seq 128 --steps 2
+	$(BIN)/python bench/compile_time.py --recipes fp8_fwd_bf16_bwd --layers 2,30 --whole-layers "" --steps 2
 	$(BIN)/python bench/rollout.py --engines vllm-bf16 vllm-jetrl-fp8-fp32 --reps 2
 	$(BIN)/python bench/e2e.py --recipes bf16 fp8_fwd_bf16_bwd --steps 3
 	$(BIN)/python bench/distributed.py --models aligned --rounds 1 --steps 1 --batch 1 --seq 64
@@ -52,6 +53,7 @@ bench: venv
 bench-full: venv
 	$(BIN)/python bench/linear.py
 	$(BIN)/python bench/train_step.py
+	$(BIN)/python bench/compile_time.py
 	$(BIN)/python bench/rollout.py
 	$(BIN)/python bench/e2e.py --steps 5
 	$(BIN)/python bench/mismatch.py

@@ -52,7 +52,8 @@ def unify(
     - ``regional=True`` (compile mode): compile the repeated decoder layer once and reuse it for
       every layer (``passes.regions``); embeddings, final norm and head stay eager (an eligible
       linear among them, ``lm_head`` with ``include_lm_head``, calls the recipe op eagerly).
-      ``regional=False`` compiles the whole model as one graph.
+      ``regional=False`` compiles the whole model as one graph. With a KV cache the cache update
+      is a graph break inside each layer, which ``fullgraph=True`` refuses: pass ``use_cache=False``.
     - ``compiler="aot_eager"``: the same pass and AOTAutograd graphs, run without Inductor (fast
       to compile; for debugging numerics and for tests that only inspect graphs).
     """

@@ -25,6 +25,8 @@ def test_every_projection_rewritten_and_lm_head_embeddings_not(family):
     model = tiny_model(family, layers=2)
     jetrl_compile.unify(model, "fp8_fwd_bf16_bwd", compiler="aot_eager")
     eager = jetrl_compile.unify(tiny_model(family, layers=2), "fp8_fwd_bf16_bwd", mode="eager")
+    before = jetrl_compile.linear_precisions(model)
+    assert {r["source"] for m, r in before.items() if m != "lm_head"} == {"not compiled yet"}
     with torch.no_grad():  # with a KV cache: its update runs between two graphs of the layer
         assert torch.equal(model(_ids(1, 8)).logits, eager(_ids(1, 8)).logits)
     state = jetrl_compile.unified_state(model)

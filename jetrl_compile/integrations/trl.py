@@ -193,11 +193,11 @@ def _check_args(model: nn.Module, args: GRPOConfig, kwargs: dict, engine_options
             "include_lm_head=True: GRPOTrainer computes logprobs from lm_head.weight with its own fused head, "
             "never through the quantized module; unify without include_lm_head"
         )
-    if args.gradient_checkpointing and state.mode == "compile":
+    if args.gradient_checkpointing and state.mode == "compile" and not state.regions:
         problems.append(
-            "gradient_checkpointing=True (TRL's default) recomputes each layer outside the compiled graphs, "
-            "where its linears would run in the model's dtype: pass gradient_checkpointing=False, or unify "
-            "with mode='eager' (its patched linears keep the recipe when a layer is recomputed)"
+            "gradient_checkpointing=True (TRL's default) recomputes each layer outside the whole-model compiled "
+            "graph, where its linears would run in the model's dtype: unify with regional=True (the default) or "
+            "mode='eager' (either keeps the recipe when a layer is recomputed), or pass gradient_checkpointing=False"
         )
     if args.bf16 or args.fp16:
         problems.append(

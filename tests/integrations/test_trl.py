@@ -93,7 +93,8 @@ def test_trl_colocated_vllm_logs_the_flows_mismatch(recipe, tmp_path):
     (dict(bf16=True, use_cpu=True), "bf16=True runs the forward under autocast"),
     (dict(use_vllm=True, vllm_mode="server"), "vllm_mode='server'"),
     (dict(use_vllm=True, vllm_enable_sleep_mode=True), "vllm_enable_sleep_mode=False"),
-    (dict(gradient_checkpointing=True, unify=dict(mode="compile")), "recomputes each layer outside the compiled"),
+    (dict(gradient_checkpointing=True, unify=dict(mode="compile", regional=False)),
+     "recomputes each layer outside the whole-model compiled"),
     (dict(unify=dict(include_lm_head=True)), "its own fused head"),
 ])
 def test_settings_that_leave_the_recipe_are_refused_by_name(change, message, tmp_path):
