@@ -19,8 +19,11 @@ class UnifiedState:
     cache: WeightCache = field(default_factory=WeightCache)
     graphs: list = field(default_factory=list)  # passes.backend.GraphRecord, one per compile
     patched: list[nn.Module] = field(default_factory=list)  # linears calling the recipe op eagerly
-    compiled: list[nn.Module] = field(default_factory=list)  # modules whose call is compiled
-    regions: dict[str, list[str]] = field(default_factory=dict)  # layer class -> the layers compiled with it
+    # modules whose call is compiled: the model (regional=False) or its decoder layers
+    compiled: list[nn.Module] = field(default_factory=list)
+    # layer group ("LlamaDecoderLayer", or with the linears its layers skip) -> its layers' names
+    regions: dict[str, list[str]] = field(default_factory=dict)
+    recompile_room: int = 0  # entries this model added to Dynamo's recompile_limit
     exact: bool = False  # exact mode (jetrl_compile.exact): invariant numerics end to end
     exact_undo: list = field(default_factory=list)
     fp8_all_gather: dict = field(default_factory=dict)  # linear -> None (FSDP2 gathers FP8) or why not

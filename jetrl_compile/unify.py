@@ -74,7 +74,6 @@ def unify(
         from .passes import regions
         from .passes.backend import JetrlBackend
 
-        _make_room_for_another_compiled_model()
         backend = JetrlBackend(model, state, compiler)
         layers = regions.find_layers(model) if regional else {}
         if layers:
@@ -87,6 +86,7 @@ def unify(
         else:
             model.compile(backend=backend, dynamic=dynamic, fullgraph=fullgraph)
             state.compiled = [model]
+        state.recompile_room = _make_room(max(1, len(state.regions)))
     else:
         state.patched = _patch_linears_eager(model, state.recipe, state.cache, exact=state.exact)
     if state.exact:
@@ -98,26 +98,21 @@ def unify(
     return model
 
 
-_unified_models = 0
-# each compiled unify adds this many entries to Dynamo's recompile_limit; restore takes them back
-_RECOMPILE_ENTRIES_PER_MODEL = 8
+# each compiled backend (a model's, or each layer group's) adds this many entries to Dynamo's
+# recompile_limit; restore takes them back
+_RECOMPILE_ENTRIES_PER_BACKEND = 8
 
 
-def _make_room_for_another_compiled_model() -> None:
-    """Every unified model adds Dynamo cache entries to the same transformers code objects (each
-    has its own backend, and Dynamo guards on the backend). Past ``recompile_limit`` (8 by
-    default) Dynamo silently runs the frame eagerly, which would mean BF16 where the recipe says
-    FP8; so each compiled unify raises the limit by a model's worth of entries (docs/design.md,
-    pitfall 10), and ``restore`` lowers it again."""
-    global _unified_models
-    _unified_models += 1
-    torch._dynamo.config.recompile_limit += _RECOMPILE_ENTRIES_PER_MODEL
-
-
-def _give_back_room() -> None:
-    global _unified_models
-    _unified_models -= 1
-    torch._dynamo.config.recompile_limit -= _RECOMPILE_ENTRIES_PER_MODEL
+def _make_room(backends: int) -> int:
+    """Every unified model (under regional compilation, every layer group) adds Dynamo cache
+    entries to the same transformers code objects: each has its own backend, and Dynamo guards
+    on the backend. Past ``recompile_limit`` (8 by default) Dynamo silently runs the frame
+    eagerly, which would mean BF16 where the recipe says FP8; so each compiled unify raises the
+    limit by that many backends' worth of entries (docs/design.md, pitfall 10), and ``restore``
+    lowers it again. Returns the entries added."""
+    entries = backends * _RECOMPILE_ENTRIES_PER_BACKEND
+    torch._dynamo.config.recompile_limit += entries
+    return entries
 
 
 def restore(model: nn.Module) -> nn.Module:
@@ -127,7 +122,7 @@ def restore(model: nn.Module) -> nn.Module:
     if state.mode == "compile":
         for module in state.compiled:
             module._compiled_call_impl = None
-        _give_back_room()
+        torch._dynamo.config.recompile_limit -= state.recompile_room
     for module in state.patched:
         del module.forward
     if state.exact:
@@ -153,11 +148,12 @@ def linear_precisions(model: nn.Module) -> dict[str, dict]:
     - ``"graph <n>"``: read off the compiled graph that runs it (the forward and backward graphs
       handed to Inductor; a layer compiled once for all layers reports each of them);
     - ``"eager op"``: it calls the recipe op eagerly (eager mode, or a linear outside the
-      compiled layers, such as ``lm_head`` with ``include_lm_head``);
+      compiled layers, such as ``lm_head`` with ``include_lm_head``); its precisions are the
+      recipe's, which the op follows (pinned by the op's own tests), not read off a graph;
     - ``"not compiled yet"``: inside a compiled graph that has not run;
     - ``"not quantized: <reason>"``: a plain ``nn.Linear`` in its own dtype.
 
-    ``dgrad``/``wgrad`` are None where only no-grad graphs ran."""
+    For ``graph`` rows, ``dgrad``/``wgrad`` are None where only no-grad graphs ran."""
     state = unified_state(model)
     rows: dict[str, dict] = {}
     for report in precision_report(model):

@@ -297,6 +297,8 @@ def test_one_layer_compile_serves_every_layer_and_every_length():
     state = jetrl_compile.unified_state(model)
     whole = tiny_model("llama", layers=4, dtype=torch.bfloat16)
     jetrl_compile.unify(whole, "fp8_fwd_bf16_bwd", dynamic=True, compiler="aot_eager", regional=False)
+    shallow = tiny_model("llama", layers=2, dtype=torch.bfloat16)
+    jetrl_compile.unify(shallow, "fp8_fwd_bf16_bwd", dynamic=True, compiler="aot_eager")
     with torch.no_grad():
         logits = model(_ids(2, 5), use_cache=False).logits
         assert state.compiles == 1, "one graph for the four layers"
@@ -305,14 +307,31 @@ def test_one_layer_compile_serves_every_layer_and_every_length():
             model(_ids(2, length), use_cache=False)
         assert state.compiles == 1
         model(_ids(2, 5))
+        shallow(_ids(2, 5))
         with_cache = state.compiles
         for length in (9, 17, 30, 64):
             model(_ids(2, length))
-    assert 1 < with_cache == state.compiles <= 1 + 4, "the graphs around the cache update, once for all layers"
+    # the graphs around the cache update: as many for 4 layers as for 2, and no more per length
+    assert 1 < with_cache == state.compiles == jetrl_compile.unified_state(shallow).compiles + 1
     out = model.generate(_ids(1, 6), max_new_tokens=4, do_sample=False)
     assert out.shape == (1, 10)
     eager = jetrl_compile.unify(tiny_model("llama", layers=4, dtype=torch.bfloat16), "fp8_fwd_bf16_bwd", mode="eager")
     assert torch.equal(out, eager.generate(_ids(1, 6), max_new_tokens=4, do_sample=False))
+
+
+def test_the_kv_cache_is_left_as_it_was_and_a_static_compile_refuses_it():
+    from transformers import DynamicCache
+
+    model = tiny_model("llama", layers=2)
+    jetrl_compile.unify(model, "fp8_fwd_bf16_bwd", compiler="aot_eager")
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(_ids(1, 6), past_key_values=cache, use_cache=True)
+    assert "update" not in vars(cache), "the eager cache update is set for the layer's call only"
+    assert cache.get_seq_length() == 6
+    static = jetrl_compile.unify(tiny_model("llama", layers=2), "fp8_fwd_bf16_bwd", compiler="aot_eager", dynamic=False)
+    with torch.no_grad(), pytest.raises(ValueError, match="dynamic=False.* use_cache=False"):
+        static(_ids(1, 6))
 
 
 # --- API behaviour --------------------------------------------------------------------------------

@@ -11,11 +11,12 @@ layer class, whatever the depth. The embedding, final norm and head stay eager.
 The one thing in a decoder layer that differs per layer is its KV cache slot: HF attention calls
 ``past_key_values.update(k, v, self.layer_idx)``, and tracing into it guards on that layer's
 cache state (``past_key_values.layers[i].is_initialized``), so every layer would recompile. The
-cache update therefore runs outside the compiled code: before a layer runs, the cache object's
-``update`` is made a Dynamo-disabled call, where Dynamo breaks the graph (before it the
-projections, RoPE; after it attention, o_proj, MLP), and the layer index it is passed is traced
-as a symbolic int rather than a per-layer constant. A forward without a cache (the trainer's,
-``use_cache=False``) is one graph per layer class.
+cache update therefore runs outside the compiled code: while a layer runs, the cache object's
+``update`` is a Dynamo-disabled call, where Dynamo breaks the graph (before it the projections,
+RoPE; after it attention, o_proj, MLP), and the layer index it is passed is traced as a symbolic
+int rather than a per-layer constant (with ``dynamic=None`` after the second layer: one
+recompile, not one per layer; ``dynamic=False`` is refused with a cache). A forward without a
+cache (the trainer's, ``use_cache=False``) is one graph per layer class.
 """
 
 from __future__ import annotations
@@ -84,29 +85,41 @@ def compile_layers(
             groups[key] = group
     modules = []
     for group in groups.values():
-        fn = types.FunctionType(_call_layer.__code__.replace(), _call_layer.__globals__, "_call_layer")
-        compiled = torch.compile(fn, backend=copy.copy(backend), dynamic=dynamic, fullgraph=fullgraph)
+        # a copy, not the same object: torch.compile's wrappers compare equal when their backends
+        # do, and Dynamo would then let one group's graphs serve another's frames
+        compiled = torch.compile(_fresh_call_layer(), backend=copy.copy(backend), dynamic=dynamic, fullgraph=fullgraph)
         for _, module in group:
-            module._compiled_call_impl = functools.partial(_run_layer, compiled, module)
+            module._compiled_call_impl = functools.partial(_run_layer, compiled, dynamic, module)
             modules.append(module)
     return {key: [name for name, _ in group] for key, group in groups.items()}, modules
 
 
-def _run_layer(compiled, layer: nn.Module, *args, **kwargs):
+def _fresh_call_layer():
+    """``_call_layer`` with its own code object: Dynamo keeps compiled graphs per code object."""
+    return types.FunctionType(_call_layer.__code__.replace(), _call_layer.__globals__, "_call_layer")
+
+
+def _run_layer(compiled, dynamic: bool | None, layer: nn.Module, *args, **kwargs):
+    """A layer's call: the compiled function, with the KV cache's update kept out of the graph."""
     cache = kwargs.get("past_key_values")
-    if cache is None:
+    if cache is None or getattr(cache, "update", None) is None:
         return compiled(layer, *args, **kwargs)
-    keep_cache_update_outside_the_graph(cache)
-    # The call into the update passes ``self.layer_idx``: as a symbolic int (not a constant
-    # guarded per layer) the code after the break serves every layer too.
-    with torch._dynamo.config.patch(allow_unspec_int_on_nn_module=True):
-        return compiled(layer, *args, **kwargs)
-
-
-def keep_cache_update_outside_the_graph(cache) -> None:
-    """Make ``cache.update`` (this cache object only) a call Dynamo does not trace: it runs
-    eagerly between two compiled graphs, and no guard reads which layer's slot it filled."""
-    update = getattr(cache, "update", None)
-    if update is None or "update" in vars(cache):
-        return
-    cache.update = torch._dynamo.disable(update, reason="the KV cache update differs per layer; it runs eagerly")
+    if dynamic is False:
+        raise ValueError(
+            "unify(regional=True, dynamic=False) cannot run a layer with a KV cache: the layer index the cache "
+            "update is passed would be a constant, and every layer would compile its own graph (past Dynamo's "
+            "recompile limit, the rest would run uncompiled). Pass use_cache=False, or unify with dynamic=None "
+            "(default) or True, or regional=False"
+        )
+    # For this call only, ``cache.update`` is a call Dynamo does not trace: it runs eagerly between
+    # two compiled graphs, and no guard reads which layer's slot it filled. The layer index passed
+    # to it is traced as a symbolic int (a constant would be guarded per layer).
+    own = "update" in vars(cache)
+    if not own:
+        cache.update = torch._dynamo.disable(cache.update, reason="the KV cache update differs per layer")
+    try:
+        with torch._dynamo.config.patch(allow_unspec_int_on_nn_module=True):
+            return compiled(layer, *args, **kwargs)
+    finally:
+        if not own:
+            del cache.update
