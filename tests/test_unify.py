@@ -362,6 +362,20 @@ def test_eager_mode_and_restore():
     jetrl_compile.unify(model, "bf16", mode="eager")  # unify again after restore is fine
 
 
+def test_restore_after_regional_compile_gives_back_the_plain_model():
+    ids = _ids(1, 8)
+    model = tiny_model("llama", layers=2)
+    with torch.no_grad():
+        original = model(ids).logits
+        jetrl_compile.unify(model, "fp8_fwd_bf16_bwd", include_lm_head=True, compiler="aot_eager")
+        unified = model(ids).logits
+        jetrl_compile.restore(model)
+        assert not torch.equal(unified, original)
+        assert torch.equal(model(ids).logits, original)
+    assert all(layer._compiled_call_impl is None for layer in model.model.layers)
+    assert "forward" not in vars(model.lm_head), "lm_head's eager op is taken back too"
+
+
 @pytest.mark.parametrize("mode", ["eager", "compile"])
 def test_the_recipe_holds_under_gradient_checkpointing(mode):
     """transformers' gradient checkpointing recomputes each layer in the backward. Eager mode's
