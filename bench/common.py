@@ -68,6 +68,14 @@ def table(header: list[str], rows: list[list]) -> str:
     return "\n".join(lines)
 
 
+def command_line(script: str, argv: list[str] | None = None) -> str:
+    """How the benchmark was run, for its result file: ``python bench/<script> <arguments>``
+    (``argv``: the arguments ``main`` was given, else the process's own)."""
+    import sys
+
+    return " ".join(["python", f"bench/{Path(script).name}", *(sys.argv[1:] if argv is None else argv)])
+
+
 def write_result(name: str, command: str, body: str, folder: Path = RESULTS) -> Path:
     """Print and save a result table with the command and machine that produced it."""
     folder.mkdir(parents=True, exist_ok=True)

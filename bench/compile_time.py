@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import run_in_subprocess, table, write_result  # noqa: E402
+from common import command_line, run_in_subprocess, table, write_result  # noqa: E402
 
 RECIPES = ("fp8_fwd_bf16_bwd", "jetrl")
 # the default model's shapes (SmolLM2-135M-Instruct has 30 such layers)
@@ -121,10 +121,7 @@ def main(argv=None):
         f"process with that cache. Step medians over {args.steps} interleaved steps per mode, in each of the two "
         "processes (median of the two)."
     )
-    cmd = "python bench/compile_time.py" + (
-        "" if argv is None and len(sys.argv) == 1 else " " + " ".join(sys.argv[1:] if argv is None else argv)
-    )
-    write_result("compile_time", cmd, body)
+    write_result("compile_time", command_line(__file__, argv), body)
 
 
 if __name__ == "__main__":

@@ -34,7 +34,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import RESULTS, table, write_result  # noqa: E402
+from common import RESULTS, command_line, table, write_result  # noqa: E402
 
 MODELS = ("smollm2", "aligned")
 # (ranks, gather): the 1-rank reference, then 2 ranks gathering FP32 or FP8 blocks
@@ -145,7 +145,7 @@ def main() -> None:
              f"step on {args.device}; {args.rounds} rounds x {args.steps} timed steps per variant. 'layers': the "
              "decoder layers' gathers (linear weights and norms); 'root': the embedding, final norm and lm_head "
              f"(tied), which stay in FP32.{threads}")
-    cmd = " ".join(["python bench/distributed.py", *sys.argv[1:]])
+    cmd = command_line(__file__)
     write_result("distributed", cmd, body, args.out)
 
 

@@ -23,7 +23,7 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import report, run_in_subprocess, table, write_result  # noqa: E402
+from common import command_line, report, run_in_subprocess, table, write_result  # noqa: E402
 
 RECIPES = ["bf16", "fp8_fwd_bf16_bwd", "jetrl"]
 PHASES = ["rollout_s", "train_s", "sync_s", "step_s"]
@@ -87,7 +87,7 @@ def main():
              f"new tokens per step, SmolLM2-135M (FP32 master weights), trainer {args.trainer_mode}, "
              f"engine {args.engine}; medians over steps "
              f"{args.warmup + 1}..{args.steps}; ratios are recipe over `{base_name}` per phase.")
-    write_result(args.result, "python bench/e2e.py " + " ".join(sys.argv[1:]), body)
+    write_result(args.result, command_line(__file__), body)
 
 
 if __name__ == "__main__":

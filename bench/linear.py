@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import interleaved_medians, table, write_result  # noqa: E402
+from common import command_line, interleaved_medians, table, write_result  # noqa: E402
 
 from jetrl_compile.runtime import dequantize, fp8_linear, quantize_blockwise  # noqa: E402
 from jetrl_compile.runtime.fp8_linear import FP8_BACKWARD_INDUCTOR_OPTIONS  # noqa: E402
@@ -119,7 +119,7 @@ def main(argv=None):
         " the ratio is the cost of the quantize/dequantize passes next to the matmul. Target: "
         "fp8_fwd_bf16_bwd forward+backward within 1.3x of BF16 at 2048 tokens on the 8B shapes."
     )
-    write_result(args.result_name, " ".join(["python bench/linear.py", *argv]), body)
+    write_result(args.result_name, command_line(__file__, argv), body)
 
 
 if __name__ == "__main__":

@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import report, run_in_subprocess, table, write_result  # noqa: E402
+from common import command_line, report, run_in_subprocess, table, write_result  # noqa: E402
 
 # recipe : trainer parameter dtype : vLLM dtype : trainer mode
 FLOWS = [
@@ -128,7 +128,7 @@ def main():
         body += (f"\n\nUnified FP8 flow vs `fp8_rollout_only` (both FP32 trainer, FP32 vLLM): k3 KL "
                  f"{off['mismatch_kl'] / max(unified['mismatch_kl'], 1e-12):.1f}x lower, mean abs dlogp "
                  f"{off['logprob_abs_diff_mean'] / max(unified['logprob_abs_diff_mean'], 1e-12):.1f}x lower.")
-    write_result(args.result, "python bench/mismatch.py " + " ".join(sys.argv[1:]), body)
+    write_result(args.result, command_line(__file__), body)
 
 
 if __name__ == "__main__":

@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import report, run_in_subprocess, table, write_result  # noqa: E402
+from common import command_line, report, run_in_subprocess, table, write_result  # noqa: E402
 
 ENGINES = ["vllm-bf16", "vllm-jetrl-fp8", "vllm-jetrl-fp8-fp32", "vllm-native-fp8", "hf-bf16", "hf-jetrl-fp8"]
 EXACT_ENGINES = ["vllm-jetrl-fp8-fp32", "vllm-jetrl-fp8-fp32-exact", "hf-jetrl-fp8-fp32", "hf-jetrl-fp8-fp32-exact"]
@@ -143,7 +143,7 @@ def main():
     body = table(["engine", "tokens/s (median)", f"vs {first}", "sync s (median)", "notes"], rows)
     body += (f"\n\n{args.prompts} prompts x up to {args.max_new_tokens} new tokens, n=1, median of {args.reps} runs "
              f"after a warm-up; eager vLLM (enforce_eager).")
-    write_result(args.result, "python bench/rollout.py " + " ".join(sys.argv[1:]), body)
+    write_result(args.result, command_line(__file__), body)
 
 
 if __name__ == "__main__":

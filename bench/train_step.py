@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import table, write_result  # noqa: E402
+from common import command_line, table, write_result  # noqa: E402
 
 import jetrl_compile  # noqa: E402
 from jetrl_compile.models import load_model  # noqa: E402
@@ -116,10 +116,7 @@ def main(argv=None):
         f"\n\nSmolLM2-135M-Instruct, FP32 master weights, batch {args.batch} x {args.seq} tokens, AdamW, "
         f"{args.steps} timed steps per recipe, interleaved. Target: fp8_fwd_bf16_bwd within 1.3x of bf16."
     )
-    cmd = "python bench/train_step.py" + (
-        "" if argv is None and len(sys.argv) == 1 else " " + " ".join(sys.argv[1:] if argv is None else argv)
-    )
-    write_result("train_step", cmd, body)
+    write_result("train_step", command_line(__file__, argv), body)
 
 
 if __name__ == "__main__":

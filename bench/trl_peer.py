@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import table, write_result  # noqa: E402
+from common import command_line, table, write_result  # noqa: E402
 
 
 def main():
@@ -74,7 +74,7 @@ def main():
         " ".join(f"{r:.3f}" for r in timer.rewards)]])
     body += (f"\n\n{args.batch_size} prompts x {args.group_size} completions x up to {args.max_new_tokens} "
              f"tokens per step, SmolLM2-135M, lr {args.lr}, {args.steps} steps.")
-    write_result("trl_peer", "python bench/trl_peer.py " + " ".join(sys.argv[1:]), body)
+    write_result("trl_peer", command_line(__file__), body)
 
 
 if __name__ == "__main__":
