@@ -154,6 +154,8 @@ def linear_precisions(model: nn.Module) -> dict[str, dict]:
     - ``"not quantized: <reason>"``: a plain ``nn.Linear`` in its own dtype.
 
     For ``graph`` rows, ``dgrad``/``wgrad`` are None where only no-grad graphs ran."""
+    from .passes.precision_report import dtype_tag  # passes load on use, never on import
+
     state = unified_state(model)
     rows: dict[str, dict] = {}
     for report in precision_report(model):
@@ -174,12 +176,9 @@ def linear_precisions(model: nn.Module) -> dict[str, dict]:
         elif reason is None and id(module) in compiled:
             rows[name] = dict(row, fprop="?", dgrad=None, wgrad=None, source="not compiled yet")
         else:
-            own = _DTYPE_TAGS.get(module.weight.dtype, str(module.weight.dtype))
+            own = dtype_tag(module.weight.dtype)
             rows[name] = dict(row, fprop=own, dgrad=own, wgrad=own, source=f"not quantized: {reason}")
     return rows
-
-
-_DTYPE_TAGS = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 
 def _check_model(model) -> None:

@@ -67,7 +67,8 @@ def module_name_from_meta(node: fx.Node, backward: bool) -> str | None:
     return re.sub(r"\[(\d+)\]", r".\1", path).replace("._modules['", ".").replace("']", "")
 
 
-def _dtype_tag(dtype: torch.dtype) -> str:
+def dtype_tag(dtype: torch.dtype) -> str:
+    """A dtype as the precision report names it: ``fp8``, ``bf16``, ``fp32``, ``fp16``."""
     if dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
         return "fp8"
     return {torch.bfloat16: "bf16", torch.float32: "fp32", torch.float16: "fp16"}.get(dtype, str(dtype))
@@ -104,7 +105,7 @@ def _operand_precision(node: fx.Node, fp8_inputs: frozenset[int] = frozenset(), 
             continue
         frontier.extend((a, depth + 1) for a in n.all_input_nodes)
     dtype = _val_dtype(node)
-    return _dtype_tag(dtype) if dtype is not None else "?"
+    return dtype_tag(dtype) if dtype is not None else "?"
 
 
 def gemms_in_graph(gm: fx.GraphModule, graph: str, fp8_inputs=frozenset()) -> list[GemmRecord]:
