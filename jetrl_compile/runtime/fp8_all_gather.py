@@ -160,6 +160,7 @@ class GatheredFP8Weight(torch.Tensor):
             "without jetrl_compile.fp8_all_gather"
         )
 
+
 def fp8_gather_plan(model: torch.nn.Module, recipe, world_size: int) -> dict[str, str | None]:
     """For each linear ``recipe`` rewrites: ``None`` if its weight can be all-gathered as FP8 blocks
     over ``world_size`` ranks, else why not."""
