@@ -87,6 +87,7 @@ def main(argv=None):
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--steps", type=int, default=3, help="timed steps per mode, interleaved")
+    parser.add_argument("--result", default="compile_time", help="name of the table under bench/results/")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
@@ -121,7 +122,7 @@ def main(argv=None):
         f"process with that cache. Step medians over {args.steps} interleaved steps per mode, in each of the two "
         "processes (median of the two)."
     )
-    write_result("compile_time", command_line(__file__, argv), body)
+    write_result(args.result, command_line(__file__, argv), body)
 
 
 if __name__ == "__main__":

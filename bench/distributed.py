@@ -116,7 +116,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3, help="rounds; each runs every variant once")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                         help="cuda: one GPU per rank, NCCL (needs 2 GPUs; bench/gpu.sh runs it where there are)")
-    parser.add_argument("--out", type=Path, default=RESULTS, help="folder for distributed.md")
+    parser.add_argument("--out", type=Path, default=RESULTS, help="folder for the table")
+    parser.add_argument("--result", default="distributed", help="name of the table (<out>/<name>.md)")
     args = parser.parse_args()
     if args.device == "cuda" and torch.cuda.device_count() < 2:
         raise SystemExit(f"--device cuda needs 2 GPUs (one per rank); this machine has {torch.cuda.device_count()}")
@@ -146,7 +147,7 @@ def main() -> None:
              "decoder layers' gathers (linear weights and norms); 'root': the embedding, final norm and lm_head "
              f"(tied), which stay in FP32.{threads}")
     cmd = command_line(__file__)
-    write_result("distributed", cmd, body, args.out)
+    write_result(args.result, cmd, body, args.out)
 
 
 if __name__ == "__main__":

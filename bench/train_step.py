@@ -65,6 +65,7 @@ def main(argv=None):
     parser.add_argument("--seq", type=int, default=256)
     parser.add_argument("--steps", type=int, default=3, help="timed steps per recipe (after one warm-up step)")
     parser.add_argument("--recipes", default=",".join(RECIPES))
+    parser.add_argument("--result", default="train_step", help="name of the table under bench/results/")
     args = parser.parse_args(argv)
     recipes = args.recipes.split(",")
 
@@ -116,7 +117,7 @@ def main(argv=None):
         f"\n\nSmolLM2-135M-Instruct, FP32 master weights, batch {args.batch} x {args.seq} tokens, AdamW, "
         f"{args.steps} timed steps per recipe, interleaved. Target: fp8_fwd_bf16_bwd within 1.3x of bf16."
     )
-    write_result("train_step", command_line(__file__, argv), body)
+    write_result(args.result, command_line(__file__, argv), body)
 
 
 if __name__ == "__main__":
