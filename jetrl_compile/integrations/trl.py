@@ -33,14 +33,15 @@ pre-hook (``positions_from_mask``) that numbers each row from its first token, a
 Precision stays the recipe's, so two of GRPOConfig's defaults are refused where they would leave
 it: ``bf16=True`` runs the forward under autocast, which recasts every op the recipe leaves alone
 (the logits head, attention): load the model in the dtype you want and pass ``bf16=False``. And
-``gradient_checkpointing=True`` with a compiled model (``unify(mode="compile")``) recomputes each
-layer outside the compiled graphs, where its linears are plain ``nn.Linear`` again; eager mode
-(``unify(mode="eager")``) keeps the recipe through the recomputation. GRPOTrainer computes
-logprobs with its own fused LM head from ``lm_head.weight`` (tiled, in the weight's dtype), so the
-logits head is never quantized here (``include_lm_head=True`` is refused). In exact mode
-everything below the head is the engine's function, but TRL's head GEMM and log-softmax are not
-ours, so its logprobs differ from the engine's by float32 rounding (about 1e-5 per token on the
-default model), not zero.
+``gradient_checkpointing=True`` with a whole-model compile (``unify(mode="compile",
+regional=False)``) recomputes each layer outside the compiled graph, where its linears are plain
+``nn.Linear`` again; regional compile (the default: it recomputes the compiled layer itself) and
+eager mode (``unify(mode="eager")``) keep the recipe through the recomputation and are accepted.
+GRPOTrainer computes logprobs with its own fused LM head from ``lm_head.weight`` (tiled, in the
+weight's dtype), so the logits head is never quantized here (``include_lm_head=True`` is refused).
+In exact mode everything below the head is the engine's function, but TRL's head GEMM and
+log-softmax are not ours, so its logprobs differ from the engine's by float32 rounding (about 1e-5
+per token on the default model), not zero.
 One process only for now (no DDP/FSDP, no tensor parallel vLLM), and no PEFT adapters.
 """
 

@@ -96,13 +96,45 @@ def test_trl_colocated_vllm_logs_the_flows_mismatch(recipe, tmp_path):
     (dict(gradient_checkpointing=True, unify=dict(mode="compile", regional=False)),
      "recomputes each layer outside the whole-model compiled"),
     (dict(unify=dict(include_lm_head=True)), "its own fused head"),
+    # any peft_config is refused before TRL reads it (so no PEFT install is needed here)
+    (dict(trainer=dict(peft_config=object())), "PEFT adapters are not in the recipe"),
+    (dict(use_vllm=True, vllm_tensor_parallel_size=2), "vllm_tensor_parallel_size=1"),
 ])
 def test_settings_that_leave_the_recipe_are_refused_by_name(change, message, tmp_path):
+    change = dict(change)
     options = {"mode": "eager", "compiler": "aot_eager", **change.pop("unify", {})}
+    trainer_kwargs = change.pop("trainer", {})
     model = jetrl_compile.unify(tiny_model("llama", layers=1), "fp8_fwd_bf16_bwd", **options)
     args = GRPOConfig(output_dir=str(tmp_path), **{"bf16": False, **change})
     with pytest.raises(ValueError, match=message):
-        UnifiedGRPOTrainer(model=model, reward_funcs=low_ids_reward, args=args)
+        UnifiedGRPOTrainer(model=model, reward_funcs=low_ids_reward, args=args, **trainer_kwargs)
+
+
+def test_gradient_checkpointing_is_accepted_with_regional_compile(tmp_path):
+    """Regional compile recomputes the compiled layer under checkpointing, so the recipe holds
+    (tests/test_unify.py::test_the_recipe_holds_under_gradient_checkpointing): only the
+    whole-model compile is refused with TRL's default gradient_checkpointing=True."""
+    model = jetrl_compile.unify(tiny_model("llama", layers=1), "fp8_fwd_bf16_bwd", compiler="aot_eager")
+    assert jetrl_compile.unified_state(model).regions, "compiled per layer"
+    trainer = UnifiedGRPOTrainer(model=model, reward_funcs=low_ids_reward, processing_class=word_tokenizer(),
+                                 args=GRPOConfig(output_dir=str(tmp_path), bf16=False, report_to=[],
+                                                 gradient_checkpointing=True),
+                                 train_dataset=Dataset.from_list([{"prompt": "w5 w6"}]))
+    trainer.close()
+
+
+def test_more_than_one_process_is_refused(tmp_path, monkeypatch):
+    """Under accelerate/torchrun the host would train each rank's copy alone: refused once TRL
+    has set up its accelerator. Two processes are simulated by the accelerator's count, so no
+    process is started."""
+    import accelerate
+
+    model = jetrl_compile.unify(tiny_model("llama", layers=1), "fp8_fwd_bf16_bwd", mode="eager")
+    monkeypatch.setattr(accelerate.Accelerator, "num_processes", property(lambda self: 2))
+    with pytest.raises(ValueError, match="runs in one process for now"):
+        UnifiedGRPOTrainer(model=model, reward_funcs=low_ids_reward, processing_class=word_tokenizer(),
+                           args=GRPOConfig(output_dir=str(tmp_path), bf16=False, report_to=[]),
+                           train_dataset=Dataset.from_list([{"prompt": "w5 w6"}]))
 
 
 def test_a_model_that_is_not_unified_is_refused():

@@ -156,3 +156,14 @@ def test_parallel_needs_torchrun_and_a_batch_that_divides(tmp_path, monkeypatch)
     monkeypatch.setenv("WORLD_SIZE", "3")
     with pytest.raises(UsageValueError, match="--batch-size 4 must divide evenly over 3 ranks"):
         loop.train(GrpoConfig(out=str(tmp_path / "r"), parallel="ddp"))
+
+
+@pytest.mark.parametrize("kind", ["ddp", "fsdp"])
+def test_parallel_refuses_the_vllm_engine_by_name(kind, tmp_path):
+    """Under --parallel each rank samples with its own HfEngine: --engine vllm is refused, naming
+    --engine hf, before any engine starts (the rank's place is given, so no process starts)."""
+    cfg = GrpoConfig(out=str(tmp_path / "r"), parallel=kind, engine="vllm")
+    model = jetrl_compile.unify(tiny_model("llama", layers=1, **VLLM_TINY), "fp8_fwd_bf16_bwd", mode="eager")
+    ranks = parallel.Ranks(kind, rank=0, world=WORLD)
+    with pytest.raises(UsageValueError, match=f"--parallel {kind} samples with --engine hf"):
+        loop._engine(model, ByteTokenizer(), cfg, tmp_path / "engine", 0, ranks=ranks)
