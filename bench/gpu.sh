@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The H200 run (bench/gpu.py): CUDA kernels checked against the CPU emulation, then FP8 vs BF16
-# linear, training-step and decode speed, and memory. About 5-8 minutes on one H200. With 2+ GPUs,
+# linear, training-step and decode speed, and memory. Not yet run on an H200; bench/gpu.py skips
+# sections that would start after --budget-s (420 s by default). With 2+ GPUs,
 # FSDP2 step time and bytes all-gathered, FP32 vs FP8 gather (bench/distributed.py).
 #
 #   bash bench/gpu.sh [OUT_DIR]      # tables in OUT_DIR/gpu.md (default: $OUT or bench/results/gpu)
