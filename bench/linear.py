@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from common import command_line, interleaved_medians, table, write_result  # noqa: E402
 
 from jetrl_compile.runtime import dequantize, fp8_linear, quantize_blockwise  # noqa: E402
-from jetrl_compile.runtime.fp8_linear import FP8_BACKWARD_INDUCTOR_OPTIONS  # noqa: E402
+from jetrl_compile.runtime.fp8_linear import FP8_BACKWARD_INDUCTOR_OPTIONS, INDUCTOR_OPTIONS  # noqa: E402
 
 SMOLLM2 = [(576, 1536), (1536, 576), (576, 576), (576, 192)]  # (K in, N out)
 LLAMA_8B = [(4096, 14336), (14336, 4096)]
@@ -55,8 +55,8 @@ def bench_shape(k: int, n: int, tokens: list[int], reps: int) -> list[list]:
     w = (torch.randn(n, k) * k**-0.5).to(BF16).requires_grad_()
     q, s = quantize_blockwise(w.detach())
     deq = dequantize(q, s)  # what unify's weight cache feeds the emulated GEMM, once per step
-    bf16 = _compiled(_recipe_linear("bf16", "bf16", "bf16"))
-    fp8_fwd = _compiled(_recipe_linear("fp8", "bf16", "bf16"))
+    bf16 = _compiled(_recipe_linear("bf16", "bf16", "bf16"), INDUCTOR_OPTIONS)
+    fp8_fwd = _compiled(_recipe_linear("fp8", "bf16", "bf16"), INDUCTOR_OPTIONS)
     jetrl = _compiled(_recipe_linear("fp8", "fp8", "fp8"), FP8_BACKWARD_INDUCTOR_OPTIONS)
     rows = []
     for m in tokens:

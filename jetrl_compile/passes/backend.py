@@ -21,7 +21,7 @@ import torch.nn as nn
 from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 
 from ..recipes import Recipe
-from ..runtime.fp8_linear import FP8_BACKWARD_INDUCTOR_OPTIONS
+from ..runtime.fp8_linear import FP8_BACKWARD_INDUCTOR_OPTIONS, INDUCTOR_OPTIONS
 from ..runtime.kernels import bf16_gemm_path, gemm_operand_dtype, kernel_name, uses_emulation
 from ..state import UnifiedState
 from . import dump
@@ -154,10 +154,12 @@ class JetrlBackend:
             def inner_compile(aot_gm, aot_inputs, **kwargs):
                 self._read_precisions(record, aot_gm, kwargs)
                 fp8_backward = kwargs.get("is_backward") and (recipe.dgrad.is_fp8 or recipe.wgrad.is_fp8)
-                with torch._inductor.config.patch(FP8_BACKWARD_INDUCTOR_OPTIONS if fp8_backward else {}):
+                # the backward compiles on its first run, outside the patch around compile_fx
+                with torch._inductor.config.patch(FP8_BACKWARD_INDUCTOR_OPTIONS if fp8_backward else INDUCTOR_OPTIONS):
                     return compile_fx_inner(aot_gm, aot_inputs, **kwargs)
 
-            compiled = compile_fx(gm, inputs, inner_compile=inner_compile)
+            with torch._inductor.config.patch(INDUCTOR_OPTIONS):
+                compiled = compile_fx(gm, inputs, inner_compile=inner_compile)
         else:
             compiled = self._aot_eager(record, gm, inputs)
         if not weight_inputs:

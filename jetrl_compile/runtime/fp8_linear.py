@@ -35,13 +35,20 @@ from .quantize import Quantized, dequantize, fake_quantize_groupwise, fused_quan
 
 BF16 = torch.bfloat16
 
+# What Inductor must be told to compute this op's numbers (docs/design.md, pitfall 12). The op
+# rounds its input to BF16 and then quantizes it; fused into one kernel, Inductor keeps the float32
+# value and skips that rounding unless it emulates eager's casts, so an FP32 activation would get
+# other FP8 codes than the eager op, the vLLM plugin and the exported weights' consumers give it.
+# Pass these to torch.compile when compiling fp8_linear yourself.
+INDUCTOR_OPTIONS = {"emulate_precision_casts": True}
+
 # Inductor CPU pitfall (docs/design.md, pitfall 2): in an FP8-backward graph, the quantize of dy
 # (groups along N, for dgrad) and of dy^T (groups along M, for wgrad) read the same buffer in two
 # loop orders; fused horizontally, the loop splitter asserts (`try_loop_split`, var_ranges
 # mismatch). Keeping horizontal fusion off in those backward graphs compiles them; vertical fusion
 # (quantize into the producer and the dequantize into the matmul feed) is unaffected. Pass the same
 # options to torch.compile when compiling fp8_linear with an FP8 backward yourself.
-FP8_BACKWARD_INDUCTOR_OPTIONS = {"cpp.max_horizontal_fusion_size": 1}
+FP8_BACKWARD_INDUCTOR_OPTIONS = {**INDUCTOR_OPTIONS, "cpp.max_horizontal_fusion_size": 1}
 
 
 class _RecipeLinear(torch.autograd.Function):
