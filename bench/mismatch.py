@@ -8,8 +8,8 @@ sampling and recomputing took. Every flow sees the same prompts and sampling see
 subprocess per flow (one in-process vLLM per process).
 
 A flow is ``recipe:trainer_dtype:engine_dtype:trainer_mode[:engine]``, engine ``vllm`` (default),
-``hf``, ``vllm-exact`` or ``hf-exact`` (exact mode: ``unify(..., exact=True)``, the engine in the
-trainer's dtype).
+``vllm-compiled`` (vLLM's compiled model, ``enforce_eager=False``), ``hf``, ``vllm-exact`` or
+``hf-exact`` (exact mode: ``unify(..., exact=True)``, the engine in the trainer's dtype).
 
     python bench/mismatch.py                # the standard flows, >= 2000 sampled tokens each
     python bench/mismatch.py --flows fp8_fwd_bf16_bwd:float32:float32:eager
@@ -72,7 +72,8 @@ def run_flow(spec: str, args) -> dict:
                         exact=engine_name.endswith("-exact"))
     if engine_name.startswith("vllm"):
         engine = VllmEngine(model, tokenizer=tok, workdir=tempfile.mkdtemp(prefix="jetrl-mismatch-"),
-                            dtype=getattr(torch, engine_dtype), max_model_len=1024)
+                            dtype=getattr(torch, engine_dtype), max_model_len=1024,
+                            enforce_eager=engine_name != "vllm-compiled")
     else:
         engine = HfEngine(model, tokenizer=tok)
     start = time.perf_counter()
@@ -82,7 +83,7 @@ def run_flow(spec: str, args) -> dict:
     return metrics
 
 
-ENGINES = ("vllm", "hf", "vllm-exact", "hf-exact")
+ENGINES = ("vllm", "vllm-compiled", "hf", "vllm-exact", "hf-exact")
 
 
 def _parse(spec: str) -> tuple[str, str, str, str, str]:

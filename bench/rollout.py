@@ -10,8 +10,9 @@ Engines, each in its own process (one in-process vLLM per process), same prompts
 - ``hf-bf16`` / ``hf-jetrl-fp8``: transformers ``generate`` on the plain and the unified model;
 - a ``jetrl`` engine name ending in ``-exact`` runs exact mode (``unify(..., exact=True)``),
   ``-fp32`` in it an FP32-master trainer (exact mode runs the engine in the trainer's dtype),
-  ``-mp`` at its end vLLM's engine core in a process of its own (``in_process=False``: sync
-  through the export folder and ``collective_rpc``).
+  ``-mp`` in it vLLM's engine core in a process of its own (``in_process=False``: sync
+  through the export folder and ``collective_rpc``), ``-compiled`` in it vLLM's compiled model
+  (``enforce_eager=False``; start-up then includes the compile).
 
 Tokens/s counts the tokens actually generated (EOS ends a completion early), median of
 ``--reps`` runs after one warm-up.
@@ -19,6 +20,7 @@ Tokens/s counts the tokens actually generated (EOS ends a completion early), med
     python bench/rollout.py
     python bench/rollout.py --engines $(python bench/rollout.py --list-exact) --result rollout_exact
     python bench/rollout.py --engines vllm-jetrl-fp8-fp32 vllm-jetrl-fp8-fp32-mp --result rollout_sync
+    python bench/rollout.py --engines vllm-jetrl-fp8-fp32 vllm-jetrl-fp8-fp32-compiled --result rollout_compiled
 """
 
 from __future__ import annotations
@@ -46,8 +48,9 @@ def build(name: str, workdir: Path):
     from jetrl_compile.rollout.engines import HfEngine, VllmEngine
     from jetrl_compile.rollout.export import export_vllm
 
-    dtype = torch.float32 if "-fp32" in name else torch.bfloat16
-    exact = "-exact" in name
+    parts = name.split("-")
+    dtype = torch.float32 if "fp32" in parts else torch.bfloat16
+    exact = "exact" in parts
     model, tok = load_model(dtype=dtype)
     if name == "hf-bf16":
         return HfEngine(jetrl_compile.unify(model, "bf16", mode="eager")), None, tok
@@ -55,8 +58,8 @@ def build(name: str, workdir: Path):
         return HfEngine(jetrl_compile.unify(model, "fp8_fwd_bf16_bwd", mode="eager", exact=exact)), None, tok
     if name.startswith("vllm-jetrl"):
         jetrl_compile.unify(model, "fp8_fwd_bf16_bwd", mode="eager", exact=exact)
-        in_process = not name.endswith("-mp")
-        engine = VllmEngine(model, tokenizer=tok, workdir=workdir, max_model_len=512, in_process=in_process)
+        engine = VllmEngine(model, tokenizer=tok, workdir=workdir, max_model_len=512, in_process="mp" not in parts,
+                            enforce_eager="compiled" not in parts)
         return engine, model, tok
     # plain vLLM on a BF16 or native-FP8 checkpoint, behind the same generate()
     if name == "vllm-bf16":
@@ -88,10 +91,12 @@ def measure(name: str, args) -> dict:
     from jetrl_compile.rl.tasks import ArithmeticTask
 
     workdir = Path(tempfile.mkdtemp(prefix="jetrl-bench-rollout-"))
+    start = time.perf_counter()
     try:
         engine, model, tok = build(name, workdir)
     except Exception as e:  # noqa: BLE001 - report why a path cannot run here instead of dying
         return {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"}
+    start_s = time.perf_counter() - start
     task = ArithmeticTask(seed=99)
     prompts = [task.prompt_ids(tok, task.sample()) for _ in range(args.prompts)]
     times, tokens = [], []
@@ -103,7 +108,7 @@ def measure(name: str, args) -> dict:
             times.append(elapsed)
             tokens.append(sum(len(c.token_ids) for g in groups for c in g))
     result = {"tokens_per_s": statistics.median(t / s for t, s in zip(tokens, times)),
-              "tokens": statistics.median(tokens)}
+              "tokens": statistics.median(tokens), "start_s": start_s}
     if model is not None:
         syncs = []
         for _ in range(args.reps):
@@ -135,14 +140,16 @@ def main():
     rows = []
     for name, r in results.items():
         if "error" in r:
-            rows.append([name, "n/a", "", "", r["error"]])
+            rows.append([name, "n/a", "", "", "", r["error"]])
             continue
         ratio = f"{r['tokens_per_s'] / base:.2f}x" if base else ""
         sync = f"{r['sync_s']:.2f}" if "sync_s" in r else ""
-        rows.append([name, f"{r['tokens_per_s']:.0f}", ratio, sync, f"{r['tokens']:.0f} tokens/run"])
-    body = table(["engine", "tokens/s (median)", f"vs {first}", "sync s (median)", "notes"], rows)
+        rows.append([name, f"{r['tokens_per_s']:.0f}", ratio, sync, f"{r['start_s']:.0f}",
+                     f"{r['tokens']:.0f} tokens/run"])
+    body = table(["engine", "tokens/s (median)", f"vs {first}", "sync s (median)", "start s", "notes"], rows)
     body += (f"\n\n{args.prompts} prompts x up to {args.max_new_tokens} new tokens, n=1, median of {args.reps} runs "
-             f"after a warm-up; eager vLLM (enforce_eager).")
+             f"after a warm-up; vLLM eager (enforce_eager) unless the name says -compiled. Start: loading the "
+             f"model, unify, export and the engine's start-up (a compiled engine's compile included).")
     write_result(args.result, command_line(__file__), body)
 
 
