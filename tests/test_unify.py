@@ -9,6 +9,7 @@ from expecttest import assert_expected_inline
 
 import jetrl_compile
 from jetrl_compile.runtime import fp8_linear
+from jetrl_compile.runtime.fp8_linear import INDUCTOR_OPTIONS
 from tests.conftest import tiny_model
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -30,7 +31,7 @@ def test_every_projection_rewritten_and_lm_head_embeddings_not(family):
     with torch.no_grad():  # with a KV cache: its update runs between two graphs of the layer
         assert torch.equal(model(_ids(1, 8)).logits, eager(_ids(1, 8)).logits)
     state = jetrl_compile.unified_state(model)
-    assert list(state.regions.values()) == [["model.layers.0", "model.layers.1"]], "one layer compile for both"
+    assert list(state.layer_groups.values()) == [["model.layers.0", "model.layers.1"]], "one layer compile for both"
     rows = jetrl_compile.linear_precisions(model)
     expected = {f"model.layers.{i}.{p}" for i in range(2) for p in ("self_attn." + q for q in PROJECTIONS[:4])}
     expected |= {f"model.layers.{i}.mlp.{p}" for i in range(2) for p in PROJECTIONS[4:]}
@@ -67,7 +68,7 @@ def test_include_lm_head_and_skip_patterns():
     assert "lm_head" in fp8 and "model.layers.1.mlp.up_proj" not in fp8 and "model.layers.0.mlp.up_proj" in fp8
     assert rows["lm_head"] == dict(rows["lm_head"], dgrad="bf16", wgrad="bf16", source="eager op")
     # layer 1 skips its MLP, so it compiles apart from layer 0: its MLP GEMMs read FP32 off its graphs
-    assert list(jetrl_compile.unified_state(model).regions.values()) == [["model.layers.0"], ["model.layers.1"]]
+    assert list(jetrl_compile.unified_state(model).layer_groups.values()) == [["model.layers.0"], ["model.layers.1"]]
     for name in ("gate_proj", "up_proj", "down_proj"):
         row = rows[f"model.layers.1.mlp.{name}"]
         assert (row["fprop"], row["dgrad"], row["wgrad"]) == ("fp32",) * 3 and row["source"].startswith("graph ")
@@ -212,8 +213,8 @@ def test_fp8_logits_differ_slightly_from_bf16_and_equal_swapped_op_reference():
         bf16_logits = model(ids).logits.float()
     reference = _swap_linears(tiny_model("llama", layers=2, dtype=torch.bfloat16))
     jetrl_compile.unify(model, "fp8_fwd_bf16_bwd")
-    for layer in reference.model.layers:  # compiled per layer, as unify does
-        layer.compile()
+    for layer in reference.model.layers:  # compiled per layer with the op's Inductor options, as unify does
+        layer.compile(options=INDUCTOR_OPTIONS)
     with torch.no_grad():
         fp8_logits = model(ids, use_cache=False).logits.float()
         ref_logits = reference(ids, use_cache=False).logits.float()
