@@ -22,7 +22,7 @@ class UnifiedState:
     # modules whose call is compiled: the model (regional=False) or its decoder layers
     compiled: list[nn.Module] = field(default_factory=list)
     # layer group ("LlamaDecoderLayer", or with the linears its layers skip) -> its layers' names
-    regions: dict[str, list[str]] = field(default_factory=dict)
+    layer_groups: dict[str, list[str]] = field(default_factory=dict)
     recompile_room: int = 0  # entries this model added to Dynamo's recompile_limit
     exact: bool = False  # exact mode (jetrl_compile.exact): invariant numerics end to end
     exact_undo: list = field(default_factory=list)

@@ -77,7 +77,7 @@ def unify(
         backend = JetrlBackend(model, state, compiler)
         layers = regions.find_layers(model) if regional else {}
         if layers:
-            state.regions, state.compiled = regions.compile_layers(
+            state.layer_groups, state.compiled = regions.compile_layers(
                 layers, backend, r, dynamic=dynamic, fullgraph=fullgraph
             )
             in_layers = {id(m) for layer in state.compiled for m in layer.modules()}
@@ -86,7 +86,7 @@ def unify(
         else:
             model.compile(backend=backend, dynamic=dynamic, fullgraph=fullgraph)
             state.compiled = [model]
-        state.recompile_room = _make_room(max(1, len(state.regions)))
+        state.recompile_room = _make_room(max(1, len(state.layer_groups)))
     else:
         state.patched = _patch_linears_eager(model, state.recipe, state.cache, exact=state.exact)
     if state.exact:
@@ -138,7 +138,7 @@ def precision_report(model: nn.Module) -> list[dict]:
     """One report per compiled graph (see ``passes.dump`` for the format). A compiled layer's
     graph reports every layer that runs it (``"modules"``), each with its linears."""
     state = unified_state(model)
-    return [g.report(state.recipe, state.regions) for g in state.graphs]
+    return [g.report(state.recipe, state.layer_groups) for g in state.graphs]
 
 
 def linear_precisions(model: nn.Module) -> dict[str, dict]:

@@ -194,7 +194,7 @@ def _check_args(model: nn.Module, args: GRPOConfig, kwargs: dict, engine_options
             "include_lm_head=True: GRPOTrainer computes logprobs from lm_head.weight with its own fused head, "
             "never through the quantized module; unify without include_lm_head"
         )
-    if args.gradient_checkpointing and state.mode == "compile" and not state.regions:
+    if args.gradient_checkpointing and state.mode == "compile" and not state.layer_groups:
         problems.append(
             "gradient_checkpointing=True (TRL's default) recomputes each layer outside the whole-model compiled "
             "graph, where its linears would run in the model's dtype: unify with regional=True (the default) or "

@@ -45,7 +45,7 @@ class GraphRecord:
     forward_has_fp8: bool | None = None
     backward_has_fp8: bool | None = None
 
-    def report(self, recipe: Recipe, regions: dict[str, list[str]] | None = None) -> dict:
+    def report(self, recipe: Recipe, layer_groups: dict[str, list[str]] | None = None) -> dict:
         """Per linear, the precisions read off the graphs. A graph of a compiled layer (regional
         compilation) runs for every layer of its class: its rows repeat for each of them."""
         weight_shapes = {s.module: s.shape for s in self.rewrite.sites}
@@ -62,7 +62,7 @@ class GraphRecord:
             for module, shape in weight_shapes.items()
         ]
         skipped = [{"module": s.module, "shape": list(s.shape), "reason": s.reason} for s in self.rewrite.skipped]
-        region, traced, members = _region_of([*weight_shapes, *(s["module"] for s in skipped)], regions or {})
+        region, traced, members = _region_of([*weight_shapes, *(s["module"] for s in skipped)], layer_groups or {})
         if region is not None:
             rows = [dict(row, module=member + row["module"][len(traced):]) for member in members for row in rows]
             skipped = [dict(s, module=member + s["module"][len(traced):]) for member in members for s in skipped]
@@ -81,10 +81,10 @@ class GraphRecord:
         }
 
 
-def _region_of(modules: list[str], regions: dict[str, list[str]]) -> tuple[str | None, str, list[str]]:
+def _region_of(modules: list[str], layer_groups: dict[str, list[str]]) -> tuple[str | None, str, list[str]]:
     """(layer class, the layer the graph was traced from, every layer that runs it) for a graph
     of a compiled layer; (None, "", []) for a graph of the whole model or one without linears."""
-    for cls, members in regions.items():
+    for cls, members in layer_groups.items():
         for member in members:
             if modules and all(m.startswith(member + ".") for m in modules):
                 return cls, member, members
@@ -112,7 +112,7 @@ class JetrlBackend:
         self.dump_folder = dump.model_folder(state.recipe.name)
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs):
-        if not self.state.regions:  # a compiled layer is what checkpointing calls and recomputes
+        if not self.state.layer_groups:  # a compiled layer is what checkpointing calls and recomputes
             _refuse_gradient_checkpointing(self.model)
         _refuse_ddp_optimizer()
         state, recipe = self.state, self.state.recipe
@@ -209,7 +209,8 @@ class JetrlBackend:
         if dump.dump_enabled():
             name = "aot_backward" if backward else ("aot_forward_inference" if inference else "aot_forward")
             dump.write_graph(self.dump_folder, record.graph_id, name, aot_gm)
-            dump.write_report(self.dump_folder, record.graph_id, record.report(self.state.recipe, self.state.regions))
+            report = record.report(self.state.recipe, self.state.layer_groups)
+            dump.write_report(self.dump_folder, record.graph_id, report)
 
 
 def _qualify_module_names(gemms: list[GemmRecord], modules: set[str]) -> None:

@@ -115,7 +115,7 @@ def test_gradient_checkpointing_is_accepted_with_regional_compile(tmp_path):
     (tests/test_unify.py::test_the_recipe_holds_under_gradient_checkpointing): only the
     whole-model compile is refused with TRL's default gradient_checkpointing=True."""
     model = jetrl_compile.unify(tiny_model("llama", layers=1), "fp8_fwd_bf16_bwd", compiler="aot_eager")
-    assert jetrl_compile.unified_state(model).regions, "compiled per layer"
+    assert jetrl_compile.unified_state(model).layer_groups, "compiled per layer"
     trainer = UnifiedGRPOTrainer(model=model, reward_funcs=low_ids_reward, processing_class=word_tokenizer(),
                                  args=GRPOConfig(output_dir=str(tmp_path), bf16=False, report_to=[],
                                                  gradient_checkpointing=True),

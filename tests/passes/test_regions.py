@@ -45,7 +45,7 @@ def test_regional_compile_of_a_plain_stack_and_the_whole_model_fallback():
     model = jetrl_compile.unify(Stack(3), "fp8_fwd_bf16_bwd", compiler="aot_eager")
     assert torch.equal(model(x), reference(x))
     state = jetrl_compile.unified_state(model)
-    assert state.compiles == 1 and list(state.regions) == ["Block"]
+    assert state.compiles == 1 and list(state.layer_groups) == ["Block"]
     rows = jetrl_compile.linear_precisions(model)
     assert {m: r["fprop"] for m, r in rows.items()} == {**{f"blocks.{i}.{p}": "fp8" for i in range(3)
                                                            for p in ("up", "down")}, "head": "fp8"}
@@ -54,6 +54,6 @@ def test_regional_compile_of_a_plain_stack_and_the_whole_model_fallback():
     single = jetrl_compile.unify(Block(), "fp8_fwd_bf16_bwd", compiler="aot_eager")
     single(x)
     state = jetrl_compile.unified_state(single)
-    assert state.regions == {} and state.compiled == [single], "nothing repeats: one whole-model graph"
+    assert state.layer_groups == {} and state.compiled == [single], "nothing repeats: one whole-model graph"
     rows = jetrl_compile.linear_precisions(single)
     assert {m: (r["fprop"], r["source"]) for m, r in rows.items()} == {m: ("fp8", "graph 0") for m in ("up", "down")}
