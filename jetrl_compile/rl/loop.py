@@ -339,11 +339,11 @@ def _setup(cfg: GrpoConfig, model, tokenizer, task):
 def _engine(model, tokenizer, cfg: GrpoConfig, workdir: Path, pad: int, ranks: Ranks = ONE_PROCESS, **kwargs):
     hf_tokenizer = tokenizer if hasattr(tokenizer, "save_pretrained") else None  # vLLM saves a real one
     engine = cfg.engine
-    if ranks.distributed:
+    if ranks.kind == "fsdp":  # DDP: each rank's vLLM joins the torchrun world (external_launcher)
         if engine == "vllm":
             raise UsageValueError(
-                f"--parallel {ranks.kind} samples with --engine hf for now: one in-process vLLM per torchrun rank "
-                "is not supported yet (docs/design.md, section 5.3)"
+                "--parallel fsdp samples with --engine hf: a rank holds a shard of each weight, and a vLLM "
+                "engine per rank needs them whole (docs/design.md, section 5.3); --parallel ddp runs vLLM per rank"
             )
         engine = "hf"
     return make_engine(model, engine, tokenizer=hf_tokenizer, workdir=workdir,

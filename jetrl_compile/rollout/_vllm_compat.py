@@ -100,12 +100,37 @@ def reload_weights(llm, tensors=None, *, folder: str | None = None) -> None:
         raise _changed("LLM.collective_rpc('reload_weights')", e) from e
 
 
-def shutdown(llm) -> None:
+def shutdown(llm, *, keep_default_group: bool = False) -> None:
+    """Stop the engine. ``keep_default_group``: the engine joined a torch.distributed world it
+    did not create (``external_launcher``); vLLM's shutdown ends by destroying the default process
+    group, which is the trainer's, so that one call is skipped (the groups vLLM made go)."""
     try:
         engine_core = llm.llm_engine.engine_core
     except AttributeError as e:
         raise _changed("llm.llm_engine.engine_core", e) from e
-    engine_core.shutdown()
+    if not keep_default_group:
+        engine_core.shutdown()
+        return
+    import torch.distributed as dist
+
+    destroy = dist.destroy_process_group
+
+    def destroy_unless_default(group=None):
+        if group is not None:
+            destroy(group)
+
+    dist.destroy_process_group = destroy_unless_default
+    try:
+        engine_core.shutdown()
+    finally:
+        dist.destroy_process_group = destroy
+
+
+def external_launcher_settings(rank: int) -> dict[str, str]:
+    """What vLLM's ``external_launcher`` reads besides torchrun's RANK, MASTER_ADDR and
+    MASTER_PORT: LOCAL_RANK, which a launcher that is not torchrun may not set (one node: the
+    rank)."""
+    return {"LOCAL_RANK": os.environ.get("LOCAL_RANK", str(rank))}
 
 
 @contextlib.contextmanager

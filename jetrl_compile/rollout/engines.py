@@ -99,6 +99,12 @@ def _tensor_signature(model: nn.Module) -> dict[str, tuple]:
     return {name: (tuple(p.shape), p.dtype) for name, p in model.named_parameters()}
 
 
+def _distributed_world() -> int:
+    """Processes in this process's torch.distributed world (1 outside one)."""
+    dist = torch.distributed
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
 class VllmEngine(RolloutEngine):
     """In-process vLLM on the trainer's exported rollout weights."""
 
@@ -133,7 +139,11 @@ class VllmEngine(RolloutEngine):
         (``INDUCTOR_OPTIONS``), so every FP8 code is the eager engine's. vLLM's other ops then
         run as Inductor code instead of vLLM's CPU kernels, which moves logprobs by float32 ulps:
         close to the eager engine, not bitwise (docs/design.md section 4). Exact mode needs the eager
-        engine (it patches the model vLLM runs, after the compiled one was traced)."""
+        engine (it patches the model vLLM runs, after the compiled one was traced).
+
+        Inside a torch.distributed world of more than one process (torchrun, data parallel), the
+        engine joins that world as vLLM's ``external_launcher``: one independent engine per rank,
+        each sampling its own prompts from its rank's weights (tensor parallel 1), in-process."""
         if logprobs_mode not in LOGPROBS_MODES:
             raise ValueError(f"logprobs_mode {logprobs_mode!r} is unknown; choose one of {', '.join(LOGPROBS_MODES)}")
         self.recipe, _ = rollout_recipe_and_cache(model, recipe)
@@ -149,6 +159,12 @@ class VllmEngine(RolloutEngine):
         self.exact = is_exact(model)
         if self.exact and not in_process:
             raise ValueError("exact mode patches vLLM's model in this process: drop in_process=False")
+        self.joins_world = _distributed_world() > 1
+        if self.joins_world and not in_process:
+            raise ValueError(
+                "in a torch.distributed world each rank's engine joins it in-process (vLLM's "
+                "external_launcher): drop in_process=False"
+            )
         if self.exact and not enforce_eager:
             raise ValueError(
                 "exact mode patches vLLM's eager model; a compiled engine would keep running the graph "
@@ -176,6 +192,10 @@ class VllmEngine(RolloutEngine):
             "VLLM_CACHE_ROOT": str(self.workdir / "vllm-cache"),
             "VLLM_CPU_KVCACHE_SPACE": str(int(kv_cache_gib)),
         }
+        launcher = {}
+        if self.joins_world:  # vLLM makes its groups inside the trainer's world instead of its own
+            settings.update(_vllm_compat.external_launcher_settings(torch.distributed.get_rank()))
+            launcher = {"distributed_executor_backend": "external_launcher"}
         with _vllm_compat.environment(settings):
             self.llm = LLM(
                 model=str(self.export_dir),
@@ -187,6 +207,7 @@ class VllmEngine(RolloutEngine):
                 max_num_batched_tokens=self.max_num_batched_tokens,
                 seed=seed,
                 logprobs_mode=logprobs_mode,
+                **launcher,
             )
         self._exact = None
         if self.exact:  # before any request: the model computes exact mode's function from the start
@@ -279,7 +300,7 @@ class VllmEngine(RolloutEngine):
     def close(self) -> None:
         llm, self.llm = getattr(self, "llm", None), None
         if llm is not None:
-            _vllm_compat.shutdown(llm)
+            _vllm_compat.shutdown(llm, keep_default_group=self.joins_world)
 
 
 class HfEngine(RolloutEngine):

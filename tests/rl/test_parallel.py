@@ -20,7 +20,7 @@ from jetrl_compile.rl.checkpoint import latest_checkpoint
 from jetrl_compile.rl.config import GrpoConfig
 from jetrl_compile.rollout.engines import Completion
 from jetrl_compile.runtime.fp8_all_gather import ShardWithFP8Gather
-from tests.conftest import FSDP_ALIGNED, VLLM_TINY, ByteTokenizer, run_ranks, tiny_model
+from tests.conftest import FSDP_ALIGNED, VLLM_TINY, ByteTokenizer, requires_vllm, run_ranks, tiny_model
 from tests.rl.test_grpo import EarnableTask, _cfg, _untimed
 
 WORLD = 2
@@ -158,12 +158,30 @@ def test_parallel_needs_torchrun_and_a_batch_that_divides(tmp_path, monkeypatch)
         loop.train(GrpoConfig(out=str(tmp_path / "r"), parallel="ddp"))
 
 
-@pytest.mark.parametrize("kind", ["ddp", "fsdp"])
-def test_parallel_refuses_the_vllm_engine_by_name(kind, tmp_path):
-    """Under --parallel each rank samples with its own HfEngine: --engine vllm is refused, naming
-    --engine hf, before any engine starts (the rank's place is given, so no process starts)."""
-    cfg = GrpoConfig(out=str(tmp_path / "r"), parallel=kind, engine="vllm")
+def test_fsdp_refuses_the_vllm_engine_by_name(tmp_path):
+    """Under --parallel fsdp each rank holds shards, so it samples with its own HfEngine:
+    --engine vllm is refused, naming --engine hf, before any engine starts (the rank's place is
+    given, so no process starts)."""
+    cfg = GrpoConfig(out=str(tmp_path / "r"), parallel="fsdp", engine="vllm")
     model = jetrl_compile.unify(tiny_model("llama", layers=1, **VLLM_TINY), "fp8_fwd_bf16_bwd", mode="eager")
-    ranks = parallel.Ranks(kind, rank=0, world=WORLD)
-    with pytest.raises(UsageValueError, match=f"--parallel {kind} samples with --engine hf"):
+    ranks = parallel.Ranks("fsdp", rank=0, world=WORLD)
+    with pytest.raises(UsageValueError, match="--parallel fsdp samples with --engine hf"):
         loop._engine(model, ByteTokenizer(), cfg, tmp_path / "engine", 0, ranks=ranks)
+
+
+@requires_vllm
+def test_ddp_ranks_sample_with_their_own_vllm_engine(tmp_path):
+    """--parallel ddp --engine vllm: each rank's vLLM joins the torchrun world (external_launcher),
+    samples its share of the prompts from its rank's weights and is synced after every step. The
+    world outlives the engines: the ranks save their replicas after ``train`` returned."""
+    cfg = _cfg(tmp_path / "v", steps=3, lr=1e-2, parallel="ddp", recipe=RUNS["ddp"][0], engine="vllm")
+    run_ranks(_rank, (WORLD, _free_port(), cfg, 0), WORLD)
+    rows = [json.loads(line) for line in (Path(cfg.out) / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3] and all(r["completions"] == 4 for r in rows)
+    for rank in range(WORLD):  # the engines were vLLM's (an HfEngine exports nothing)
+        assert (Path(cfg.out) / f"engine-rank{rank}" / "rollout-weights" / "config.json").is_file()
+    assert any(r["grad_norm"] > 0 for r in rows[:-1])  # weights moved: a later step samples a synced engine
+    # every rank's engine computes its trainer's function (tokens: rare attention ulps, see test_vllm_flow)
+    assert all(r["logprob_abs_diff_mean"] < 1e-3 for r in rows), [r["logprob_abs_diff_mean"] for r in rows]
+    replicas = [torch.load(f"{cfg.out}.rank{r}.pt") for r in range(WORLD)]
+    assert all(torch.equal(w, replicas[1][k]) for k, w in replicas[0].items())
