@@ -101,9 +101,10 @@ def reload_weights(llm, tensors=None, *, folder: str | None = None) -> None:
 
 
 def shutdown(llm, *, keep_default_group: bool = False) -> None:
-    """Stop the engine. ``keep_default_group``: the engine joined a torch.distributed world it
-    did not create (``external_launcher``); vLLM's shutdown ends by destroying the default process
-    group, which is the trainer's, so that one call is skipped (the groups vLLM made go)."""
+    """Stop the engine. ``keep_default_group``: torch.distributed's default process group existed
+    before the engine (the trainer's or the user's; vLLM reuses it, or joins it as its
+    ``external_launcher``). vLLM's shutdown ends by destroying the default group, so that call is
+    skipped (the groups vLLM made itself go)."""
     try:
         engine_core = llm.llm_engine.engine_core
     except AttributeError as e:
@@ -116,7 +117,7 @@ def shutdown(llm, *, keep_default_group: bool = False) -> None:
     destroy = dist.destroy_process_group
 
     def destroy_unless_default(group=None):
-        if group is not None:
+        if group is not None and group is not dist.group.WORLD:
             destroy(group)
 
     dist.destroy_process_group = destroy_unless_default
@@ -127,10 +128,23 @@ def shutdown(llm, *, keep_default_group: bool = False) -> None:
 
 
 def external_launcher_settings(rank: int) -> dict[str, str]:
-    """What vLLM's ``external_launcher`` reads besides torchrun's RANK, MASTER_ADDR and
-    MASTER_PORT: LOCAL_RANK, which a launcher that is not torchrun may not set (one node: the
-    rank)."""
-    return {"LOCAL_RANK": os.environ.get("LOCAL_RANK", str(rank))}
+    """What vLLM's ``external_launcher`` reads from the environment to place itself in the
+    existing world: RANK and LOCAL_RANK, which torchrun sets and a world started another way may
+    not (then one node: the local rank is the rank)."""
+    return {"RANK": str(rank), "LOCAL_RANK": os.environ.get("LOCAL_RANK", str(rank))}
+
+
+def compilations() -> dict[str, int]:
+    """vLLM's compile counters in this process so far (graphs traced, compiles run, AOT compiles:
+    vLLM on CPU compiles its model ahead of time, ``num_aot_compiles``)."""
+    try:
+        import dataclasses
+
+        from vllm.compilation.counter import compilation_counter
+
+        return dataclasses.asdict(compilation_counter)
+    except (ImportError, AttributeError, TypeError) as e:
+        raise _changed("vllm.compilation.counter.compilation_counter", e) from e
 
 
 @contextlib.contextmanager

@@ -143,7 +143,9 @@ class VllmEngine(RolloutEngine):
 
         Inside a torch.distributed world of more than one process (torchrun, data parallel), the
         engine joins that world as vLLM's ``external_launcher``: one independent engine per rank,
-        each sampling its own prompts from its rank's weights (tensor parallel 1), in-process."""
+        each sampling its own prompts from its rank's weights (tensor parallel 1), in-process.
+        Starting one is then a collective (vLLM makes its groups and agrees on the KV-cache size
+        across the world): every rank builds its engine at the same point, and closes it."""
         if logprobs_mode not in LOGPROBS_MODES:
             raise ValueError(f"logprobs_mode {logprobs_mode!r} is unknown; choose one of {', '.join(LOGPROBS_MODES)}")
         self.recipe, _ = rollout_recipe_and_cache(model, recipe)
@@ -159,6 +161,8 @@ class VllmEngine(RolloutEngine):
         self.exact = is_exact(model)
         if self.exact and not in_process:
             raise ValueError("exact mode patches vLLM's model in this process: drop in_process=False")
+        # a default process group that exists now is the caller's: vLLM must leave it standing
+        self._callers_group = torch.distributed.is_available() and torch.distributed.is_initialized()
         self.joins_world = _distributed_world() > 1
         if self.joins_world and not in_process:
             raise ValueError(
@@ -300,7 +304,7 @@ class VllmEngine(RolloutEngine):
     def close(self) -> None:
         llm, self.llm = getattr(self, "llm", None), None
         if llm is not None:
-            _vllm_compat.shutdown(llm, keep_default_group=self.joins_world)
+            _vllm_compat.shutdown(llm, keep_default_group=self._callers_group)
 
 
 class HfEngine(RolloutEngine):

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import jetrl_compile
@@ -50,7 +51,14 @@ def _rank(rank, world, port, cfg, die_after_step):
 
         loop.save_checkpoint = save_then_die
     model = tiny_model("llama", layers=2, seed=123 if cfg.resume else 0, **RUNS[cfg.parallel][1])
+    callers_group = cfg.engine == "vllm"  # the world is the caller's: the engines must leave it standing
+    if callers_group:
+        dist.init_process_group("gloo")
     loop.train(cfg, model=model, tokenizer=ByteTokenizer(), task=EarnableTask(seed=0), progress=False)
+    if callers_group:
+        assert dist.is_initialized(), "closing the engine destroyed the caller's process group"
+        dist.barrier()
+        dist.destroy_process_group()
     if cfg.parallel == "ddp":  # DDP keeps whole replicas: each rank's weights, to compare
         torch.save(model.state_dict(), f"{cfg.out}.rank{rank}.pt")
     elif rank == 0:  # which weights FSDP2 gathered as FP8 blocks, and which shards it holds wrapped
@@ -173,7 +181,7 @@ def test_fsdp_refuses_the_vllm_engine_by_name(tmp_path):
 def test_ddp_ranks_sample_with_their_own_vllm_engine(tmp_path):
     """--parallel ddp --engine vllm: each rank's vLLM joins the torchrun world (external_launcher),
     samples its share of the prompts from its rank's weights and is synced after every step. The
-    world outlives the engines: the ranks save their replicas after ``train`` returned."""
+    world, made by the ranks before ``train``, outlives the engines: a barrier runs after it."""
     cfg = _cfg(tmp_path / "v", steps=3, lr=1e-2, parallel="ddp", recipe=RUNS["ddp"][0], engine="vllm")
     run_ranks(_rank, (WORLD, _free_port(), cfg, 0), WORLD)
     rows = [json.loads(line) for line in (Path(cfg.out) / "metrics.jsonl").read_text().splitlines()]
