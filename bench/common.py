@@ -70,10 +70,11 @@ def table(header: list[str], rows: list[list]) -> str:
 
 def command_line(script: str, argv: list[str] | None = None) -> str:
     """How the benchmark was run, for its result file: ``python bench/<script> <arguments>``
-    (``argv``: the arguments ``main`` was given, else the process's own)."""
+    (``argv``: the arguments ``main`` was given, else the process's own), quoted for a shell."""
+    import shlex
     import sys
 
-    return " ".join(["python", f"bench/{Path(script).name}", *(sys.argv[1:] if argv is None else argv)])
+    return shlex.join(["python", f"bench/{Path(script).name}", *(sys.argv[1:] if argv is None else argv)])
 
 
 def write_result(name: str, command: str, body: str, folder: Path = RESULTS) -> Path:
