@@ -25,9 +25,10 @@ from tests.conftest import FSDP_ALIGNED, VLLM_TINY, ByteTokenizer, requires_vllm
 from tests.rl.test_grpo import EarnableTask, _cfg, _untimed
 
 WORLD = 2
-# the driver's runs: DDP on the default recipe; FSDP2 on jetrl with rows that let it gather most
-# weights as FP8 blocks (the checkpoint then goes through the gathered-in-FP8 wrappers)
-RUNS = {"ddp": ("fp8_fwd_bf16_bwd", VLLM_TINY), "fsdp": ("jetrl", FSDP_ALIGNED)}
+# the driver's runs: DDP on the default recipe, each rank sampling with its own vLLM; FSDP2 on
+# jetrl with rows that let it gather most weights as FP8 blocks (the checkpoint then goes through
+# the gathered-in-FP8 wrappers), each rank sampling with its own model (HfEngine)
+RUNS = {"ddp": ("fp8_fwd_bf16_bwd", VLLM_TINY, "vllm"), "fsdp": ("jetrl", FSDP_ALIGNED, "hf")}
 
 
 def _free_port() -> int:
@@ -68,7 +69,8 @@ def _rank(rank, world, port, cfg, die_after_step):
 
 def _run_ranks(tmp_path, name, parallel, *, die_after_step=0, **kw) -> tuple[dict, list[dict]]:
     """(the final checkpoint, metrics rows) of a 4-step run on two ranks."""
-    cfg = _cfg(tmp_path / name, steps=4, lr=1e-2, save_every=2, parallel=parallel, recipe=RUNS[parallel][0], **kw)
+    recipe, _, engine = RUNS[parallel]
+    cfg = _cfg(tmp_path / name, steps=4, lr=1e-2, save_every=2, parallel=parallel, recipe=recipe, engine=engine, **kw)
     run_ranks(_rank, (WORLD, _free_port(), cfg, die_after_step), WORLD)
     rows = [json.loads(line) for line in (Path(cfg.out) / "metrics.jsonl").read_text().splitlines()]
     final = torch.load(latest_checkpoint(cfg.out), weights_only=True)
@@ -83,12 +85,21 @@ def _run_ranks(tmp_path, name, parallel, *, die_after_step=0, **kw) -> tuple[dic
     return final, rows
 
 
-@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+@pytest.mark.parametrize("parallel", [pytest.param("ddp", marks=requires_vllm), "fsdp"])
 def test_two_ranks_train_and_a_killed_rank_resumes_bit_for_bit(tmp_path, parallel):
+    """Under DDP each rank's vLLM joins the torchrun world (external_launcher), samples its share
+    from its rank's weights and is synced after every step; the world, made by the ranks before
+    ``train``, outlives the engines (a barrier runs after it)."""
     straight, rows = _run_ranks(tmp_path, "a", parallel)
     assert [r["step"] for r in rows] == [1, 2, 3, 4]  # rank 0 alone writes, one line per step
     assert all(r["completions"] == 4 for r in rows)  # both ranks' completions: 2 prompts x 2 samples
     assert sum(r["grad_norm"] > 0 for r in rows) >= 2  # (a step whose groups all tie has no gradient)
+    if parallel == "ddp":
+        for rank in range(WORLD):  # the engines were vLLM's (an HfEngine exports nothing)
+            assert (tmp_path / "a" / "run" / f"engine-rank{rank}" / "rollout-weights" / "config.json").is_file()
+        # each rank's engine, synced after every step, computes its trainer's function (rare
+        # attention ulps aside, see test_vllm_flow); with the sync removed this fails
+        assert all(r["logprob_abs_diff_mean"] < 1e-3 for r in rows), [r["logprob_abs_diff_mean"] for r in rows]
     start = tiny_model("llama", layers=2, seed=0, **RUNS[parallel][1]).state_dict()
     assert straight["ranks"] == WORLD and straight["model"].keys() == start.keys()
     unmoved = [n for n, w in straight["model"].items() if torch.equal(w, start[n])]
@@ -175,21 +186,3 @@ def test_fsdp_refuses_the_vllm_engine_by_name(tmp_path):
     ranks = parallel.Ranks("fsdp", rank=0, world=WORLD)
     with pytest.raises(UsageValueError, match="--parallel fsdp samples with --engine hf"):
         loop._engine(model, ByteTokenizer(), cfg, tmp_path / "engine", 0, ranks=ranks)
-
-
-@requires_vllm
-def test_ddp_ranks_sample_with_their_own_vllm_engine(tmp_path):
-    """--parallel ddp --engine vllm: each rank's vLLM joins the torchrun world (external_launcher),
-    samples its share of the prompts from its rank's weights and is synced after every step. The
-    world, made by the ranks before ``train``, outlives the engines: a barrier runs after it."""
-    cfg = _cfg(tmp_path / "v", steps=3, lr=1e-2, parallel="ddp", recipe=RUNS["ddp"][0], engine="vllm")
-    run_ranks(_rank, (WORLD, _free_port(), cfg, 0), WORLD)
-    rows = [json.loads(line) for line in (Path(cfg.out) / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == [1, 2, 3] and all(r["completions"] == 4 for r in rows)
-    for rank in range(WORLD):  # the engines were vLLM's (an HfEngine exports nothing)
-        assert (Path(cfg.out) / f"engine-rank{rank}" / "rollout-weights" / "config.json").is_file()
-    assert any(r["grad_norm"] > 0 for r in rows[:-1])  # weights moved: a later step samples a synced engine
-    # every rank's engine computes its trainer's function (tokens: rare attention ulps, see test_vllm_flow)
-    assert all(r["logprob_abs_diff_mean"] < 1e-3 for r in rows), [r["logprob_abs_diff_mean"] for r in rows]
-    replicas = [torch.load(f"{cfg.out}.rank{r}.pt") for r in range(WORLD)]
-    assert all(torch.equal(w, replicas[1][k]) for k, w in replicas[0].items())
