@@ -99,10 +99,10 @@ def _tensor_signature(model: nn.Module) -> dict[str, tuple]:
     return {name: (tuple(p.shape), p.dtype) for name, p in model.named_parameters()}
 
 
-def _distributed_world() -> int:
-    """Processes in this process's torch.distributed world (1 outside one)."""
+def _default_group_size() -> int:
+    """Processes in torch.distributed's default process group; 0 where there is none."""
     dist = torch.distributed
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 0
 
 
 class VllmEngine(RolloutEngine):
@@ -162,9 +162,10 @@ class VllmEngine(RolloutEngine):
         if self.exact and not in_process:
             raise ValueError("exact mode patches vLLM's model in this process: drop in_process=False")
         # a default process group that exists now is the caller's: vLLM must leave it standing
-        self._callers_group = torch.distributed.is_available() and torch.distributed.is_initialized()
-        self.joins_world = _distributed_world() > 1
-        if self.joins_world and not in_process:
+        world = _default_group_size()
+        self._callers_group = world > 0
+        joins_world = world > 1
+        if joins_world and not in_process:
             raise ValueError(
                 "in a torch.distributed world each rank's engine joins it in-process (vLLM's "
                 "external_launcher): drop in_process=False"
@@ -197,7 +198,7 @@ class VllmEngine(RolloutEngine):
             "VLLM_CPU_KVCACHE_SPACE": str(int(kv_cache_gib)),
         }
         launcher = {}
-        if self.joins_world:  # vLLM makes its groups inside the trainer's world instead of its own
+        if joins_world:  # vLLM makes its groups inside the trainer's world instead of its own
             settings.update(_vllm_compat.external_launcher_settings(torch.distributed.get_rank()))
             launcher = {"distributed_executor_backend": "external_launcher"}
         with _vllm_compat.environment(settings):
