@@ -46,6 +46,13 @@ def run_trl(model, tmp_path, *, use_vllm: bool, steps: int = 2, **settings):
     return trainer, before
 
 
+def untrained_trainer(model, tmp_path, **settings):
+    """The host set up around ``model`` (one prompt, TRL's defaults otherwise), not trained."""
+    args = GRPOConfig(output_dir=str(tmp_path), bf16=False, report_to=[], **settings)
+    return UnifiedGRPOTrainer(model=model, reward_funcs=low_ids_reward, processing_class=word_tokenizer(),
+                              args=args, train_dataset=Dataset.from_list([{"prompt": "w5 w6"}]))
+
+
 def logged_steps(trainer) -> list[dict]:
     return [h for h in trainer.state.log_history if "reward" in h]
 
@@ -116,11 +123,7 @@ def test_gradient_checkpointing_is_accepted_with_regional_compile(tmp_path):
     whole-model compile is refused with TRL's default gradient_checkpointing=True."""
     model = jetrl_compile.unify(tiny_model("llama", layers=1), "fp8_fwd_bf16_bwd", compiler="aot_eager")
     assert jetrl_compile.unified_state(model).layer_groups, "compiled per layer"
-    trainer = UnifiedGRPOTrainer(model=model, reward_funcs=low_ids_reward, processing_class=word_tokenizer(),
-                                 args=GRPOConfig(output_dir=str(tmp_path), bf16=False, report_to=[],
-                                                 gradient_checkpointing=True),
-                                 train_dataset=Dataset.from_list([{"prompt": "w5 w6"}]))
-    trainer.close()
+    untrained_trainer(model, tmp_path, gradient_checkpointing=True).close()
 
 
 def test_more_than_one_process_is_refused(tmp_path, monkeypatch):
@@ -132,9 +135,7 @@ def test_more_than_one_process_is_refused(tmp_path, monkeypatch):
     model = jetrl_compile.unify(tiny_model("llama", layers=1), "fp8_fwd_bf16_bwd", mode="eager")
     monkeypatch.setattr(accelerate.Accelerator, "num_processes", property(lambda self: 2))
     with pytest.raises(ValueError, match="runs in one process for now"):
-        UnifiedGRPOTrainer(model=model, reward_funcs=low_ids_reward, processing_class=word_tokenizer(),
-                           args=GRPOConfig(output_dir=str(tmp_path), bf16=False, report_to=[]),
-                           train_dataset=Dataset.from_list([{"prompt": "w5 w6"}]))
+        untrained_trainer(model, tmp_path)
 
 
 def test_a_model_that_is_not_unified_is_refused():
@@ -161,9 +162,7 @@ def test_left_padded_rows_are_numbered_from_their_first_token(tmp_path):
                                                      with_kwargs=True)
     ids = torch.randint(3, 256, (2, 6))
     mask = torch.tensor([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]])
-    trainer = UnifiedGRPOTrainer(model=model, reward_funcs=low_ids_reward, processing_class=word_tokenizer(),
-                                 args=GRPOConfig(output_dir=str(tmp_path), bf16=False, report_to=[]),
-                                 train_dataset=Dataset.from_list([{"prompt": "w5 w6"}]))
+    trainer = untrained_trainer(model, tmp_path)
     with torch.no_grad():
         model(input_ids=ids, attention_mask=mask)
         trainer.close()
