@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 
 import torch
 import torch.nn as nn
@@ -72,7 +73,7 @@ def unify(
     state = UnifiedState(recipe=r, mode=mode, exact=bool(exact), cache=WeightCache(model))
     if mode == "compile":
         from .passes import regions
-        from .passes.backend import JetrlBackend
+        from .passes.backend import JetrlBackend, call_compiled
 
         backend = JetrlBackend(model, state, compiler)
         layers = regions.find_layers(model) if regional else {}
@@ -84,7 +85,9 @@ def unify(
             outside = {id(m) for m in model.modules()} - in_layers
             state.patched = _patch_linears_eager(model, state.recipe, state.cache, only=outside)
         else:
-            model.compile(backend=backend, dynamic=dynamic, fullgraph=fullgraph)
+            compiled = torch.compile(model._call_impl, backend=backend, dynamic=dynamic, fullgraph=fullgraph)
+            # what model.compile sets, called under the backend's Dynamo options
+            model._compiled_call_impl = functools.partial(call_compiled, compiled, {})
             state.compiled = [model]
         state.recompile_room = _make_room(max(1, len(state.layer_groups)))
     else:

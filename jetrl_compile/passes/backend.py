@@ -7,7 +7,8 @@
    optimizer step, and the same tensors the vLLM exporter reads.
 4. ``compile_fx`` runs AOTAutograd and Inductor; a wrapper around Inductor's inner compile reads
    the precision of every GEMM off the forward and backward graphs (and dumps them under
-   ``JETRL_DUMP=1``).
+   ``JETRL_DUMP=1``). Those records are stored, so that a later process may take the graph from
+   AOTAutograd's cache and still report them (``compile_cache``).
 """
 
 from __future__ import annotations
@@ -24,11 +25,25 @@ from ..recipes import Recipe
 from ..runtime.fp8_linear import FP8_BACKWARD_INDUCTOR_OPTIONS, INDUCTOR_OPTIONS
 from ..runtime.kernels import bf16_gemm_path, gemm_operand_dtype, kernel_name, uses_emulation
 from ..state import UnifiedState
-from . import dump
+from . import compile_cache, dump
 from .precision_report import GemmRecord, classify_backward, gemms_in_graph, graph_has_fp8
 from .rewrite_linears import ParamInfo, RewriteResult, rewrite_linears
 
 log = logging.getLogger("jetrl_compile")
+
+# The Dynamo options every compiled call of a unified model runs under. ``specialize_float``: a
+# module's float attribute (RMSNorm's ``variance_epsilon``) is a constant of the graph. Otherwise,
+# under ``dynamic=True``, Dynamo first traces it as a symbolic float, AOTAutograd's pass that turns
+# such floats into tensors cannot, and Dynamo restarts with it specialized, having thrown away a
+# whole AOTAutograd trace (4 s of a 2-layer compile, cold or warm). The graph is the same either way.
+DYNAMO_OPTIONS = {"specialize_float": True}
+
+
+def call_compiled(compiled, options: dict, *args, **kwargs):
+    """Call a function ``torch.compile`` made with this backend, under ``DYNAMO_OPTIONS`` and
+    ``options`` (Dynamo reads its options when it traces, during a call)."""
+    with torch._dynamo.config.patch({**DYNAMO_OPTIONS, **options}):
+        return compiled(*args, **kwargs)
 
 
 @dataclass
@@ -44,6 +59,11 @@ class GraphRecord:
     backward: list[GemmRecord] | None = None
     forward_has_fp8: bool | None = None
     backward_has_fp8: bool | None = None
+    precisions_key: str = ""  # the key its records are stored under (compile_cache)
+    from_cache: bool = False  # records loaded from a previous compile of the same graph
+
+    def precision_fields(self) -> dict:
+        return {"forward_has_fp8": self.forward_has_fp8, "backward_has_fp8": self.backward_has_fp8}
 
     def report(self, recipe: Recipe, layer_groups: dict[str, list[str]] | None = None) -> dict:
         """Per linear, the precisions read off the graphs. A graph of a compiled layer (regional
@@ -76,6 +96,7 @@ class GraphRecord:
             "fp8_kernel": self.fp8_kernel,
             "forward_compiled": self.forward is not None,
             "backward_compiled": self.backward is not None,
+            "from_cache": self.from_cache,
             "linears": rows,
             "skipped": skipped,
         }
@@ -150,6 +171,7 @@ class JetrlBackend:
 
         inputs = [*example_inputs, *_static_fakes(quantized_inputs(example_inputs), example_inputs)]
         if self.compiler == "inductor":
+            self._load_precisions(record, gm, inputs)
 
             def inner_compile(aot_gm, aot_inputs, **kwargs):
                 self._read_precisions(record, aot_gm, kwargs)
@@ -158,8 +180,13 @@ class JetrlBackend:
                 with torch._inductor.config.patch(FP8_BACKWARD_INDUCTOR_OPTIONS if fp8_backward else INDUCTOR_OPTIONS):
                     return compile_fx_inner(aot_gm, aot_inputs, **kwargs)
 
-            with torch._inductor.config.patch(INDUCTOR_OPTIONS):
+            options = {**INDUCTOR_OPTIONS, "unsafe_marked_cacheable_functions": compile_cache.marked_cacheable()}
+            # JETRL_DUMP=1 writes the AOTAutograd graphs, which a hit of its cache never builds
+            with torch._inductor.config.patch(options), _aot_cache(not dump.dump_enabled()):
                 compiled = compile_fx(gm, inputs, inner_compile=inner_compile)
+            if record.forward is None:  # a hit of AOTAutograd's cache, and the graph's records are gone
+                with torch._inductor.config.patch(options), _aot_cache(False):
+                    compiled = compile_fx(gm, inputs, inner_compile=inner_compile)
         else:
             compiled = self._aot_eager(record, gm, inputs)
         if not weight_inputs:
@@ -180,6 +207,23 @@ class JetrlBackend:
                 return graphs[i]
         graphs.append(GraphRecord(len(graphs), RewriteResult(), compile_id=compile_id))
         return graphs[-1]
+
+    def _load_precisions(self, record: GraphRecord, gm, inputs) -> None:
+        """Key the graph's precision records, and load them if a previous compile stored them: a
+        hit of AOTAutograd's cache runs no inner compile to read them off."""
+        context = {
+            "recipe": repr(self.state.recipe),
+            "bf16_gemm": record.bf16_gemm,
+            "fp8_kernel": record.fp8_kernel,
+            "sites": [s.module for s in record.rewrite.sites],
+        }
+        record.precisions_key = compile_cache.graph_key(gm, inputs, context)
+        stored = compile_cache.load(record.precisions_key)
+        if stored is None or stored["forward"] is None:
+            return
+        record.forward, record.backward = stored["forward"], stored["backward"]
+        record.forward_has_fp8, record.backward_has_fp8 = stored["forward_has_fp8"], stored["backward_has_fp8"]
+        record.from_cache = True
 
     def _aot_eager(self, record: GraphRecord, gm, inputs):
         from functorch.compile import make_boxed_func
@@ -206,6 +250,9 @@ class JetrlBackend:
             record.backward, record.backward_has_fp8 = gemms, graph_has_fp8(aot_gm)
         else:
             record.forward, record.forward_has_fp8 = gemms, graph_has_fp8(aot_gm)
+        record.from_cache = False
+        if record.precisions_key:
+            compile_cache.save(record.precisions_key, record.forward, record.backward, record.precision_fields())
         if dump.dump_enabled():
             name = "aot_backward" if backward else ("aot_forward_inference" if inference else "aot_forward")
             dump.write_graph(self.dump_folder, record.graph_id, name, aot_gm)
@@ -257,6 +304,12 @@ def _refuse_ddp_optimizer() -> None:
             "Dynamo's DDPOptimizer hands the backend fake copies of the parameters, and no linear would get the "
             "recipe; set it before the first step, or unify with mode='eager'"
         )
+
+
+def _aot_cache(enabled: bool):
+    """AOTAutograd's cache on (as configured) or off, for one compile."""
+    config = torch._functorch.config
+    return config.patch(enable_autograd_cache=enabled and config.enable_autograd_cache)
 
 
 def _static_fakes(tensors: list[torch.Tensor], example_inputs) -> list[torch.Tensor]:

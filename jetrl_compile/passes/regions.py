@@ -28,6 +28,8 @@ import types
 import torch
 import torch.nn as nn
 
+from .backend import call_compiled
+
 
 def find_layers(model: nn.Module) -> dict[str, list[tuple[str, nn.Module]]]:
     """The model's repeated layers, by class name: the classes HF names in ``_no_split_modules``
@@ -103,7 +105,7 @@ def _run_layer(compiled, dynamic: bool | None, layer: nn.Module, *args, **kwargs
     """A layer's call: the compiled function, with the KV cache's update kept out of the graph."""
     cache = kwargs.get("past_key_values")
     if cache is None or getattr(cache, "update", None) is None:
-        return compiled(layer, *args, **kwargs)
+        return call_compiled(compiled, {}, layer, *args, **kwargs)
     if dynamic is False:
         raise ValueError(
             "unify(regional=True, dynamic=False) cannot run a layer with a KV cache: the layer index the cache "
@@ -118,8 +120,7 @@ def _run_layer(compiled, dynamic: bool | None, layer: nn.Module, *args, **kwargs
     if not own:
         cache.update = torch._dynamo.disable(cache.update, reason="the KV cache update differs per layer")
     try:
-        with torch._dynamo.config.patch(allow_unspec_int_on_nn_module=True):
-            return compiled(layer, *args, **kwargs)
+        return call_compiled(compiled, {"allow_unspec_int_on_nn_module": True}, layer, *args, **kwargs)
     finally:
         if not own:
             del cache.update
