@@ -127,6 +127,26 @@ def shutdown(llm, *, keep_default_group: bool = False) -> None:
         dist.destroy_process_group = destroy
 
 
+def dynamo_bytecode_hooks() -> set[int]:
+    """The handles of the Dynamo bytecode hooks registered in this process. vLLM's compiled model
+    registers one per compiled wrapper and never removes it: it would outlive the engine, holding
+    the model, and run on every later Dynamo compile (the trainer's included)."""
+    from torch._dynamo import convert_frame
+
+    try:
+        return set(convert_frame._bytecode_hooks)
+    except AttributeError as e:
+        raise _changed("torch._dynamo.convert_frame._bytecode_hooks", e) from e
+
+
+def remove_dynamo_bytecode_hooks(handles: set[int]) -> None:
+    """Unregister the Dynamo bytecode hooks with these handles (those an engine registered)."""
+    from torch._dynamo import convert_frame
+
+    for handle in handles:
+        convert_frame._bytecode_hooks.pop(handle, None)
+
+
 def external_launcher_settings(rank: int) -> dict[str, str]:
     """What vLLM's ``external_launcher`` reads from the environment to place itself in the
     existing world: RANK and LOCAL_RANK, which torchrun sets and a world started another way may

@@ -201,6 +201,7 @@ class VllmEngine(RolloutEngine):
         if joins_world:  # vLLM makes its groups inside the trainer's world instead of its own
             settings.update(_vllm_compat.external_launcher_settings(torch.distributed.get_rank()))
             launcher = {"distributed_executor_backend": "external_launcher"}
+        hooks_before = _vllm_compat.dynamo_bytecode_hooks()
         with _vllm_compat.environment(settings):
             self.llm = LLM(
                 model=str(self.export_dir),
@@ -214,6 +215,7 @@ class VllmEngine(RolloutEngine):
                 logprobs_mode=logprobs_mode,
                 **launcher,
             )
+        self._dynamo_hooks = _vllm_compat.dynamo_bytecode_hooks() - hooks_before  # a compiled model's; close removes
         self._exact = None
         if self.exact:  # before any request: the model computes exact mode's function from the start
             from ..exact import rope_table
@@ -306,6 +308,7 @@ class VllmEngine(RolloutEngine):
         llm, self.llm = getattr(self, "llm", None), None
         if llm is not None:
             _vllm_compat.shutdown(llm, keep_default_group=self._callers_group)
+            _vllm_compat.remove_dynamo_bytecode_hooks(self._dynamo_hooks)
 
 
 class HfEngine(RolloutEngine):

@@ -42,7 +42,9 @@ def _assert_close(compiled, eager):
 
 def test_compiled_engine_samples_the_eager_engines_tokens_before_and_after_a_sync(tmp_path):
     model = unified_tiny("fp8_fwd_bf16_bwd")
+    hooks = _vllm_compat.dynamo_bytecode_hooks()
     compiled = VllmEngine(model, workdir=tmp_path / "compiled", max_model_len=256, enforce_eager=False)
+    assert _vllm_compat.dynamo_bytecode_hooks() > hooks  # vLLM's compiled model registers Dynamo hooks
     try:
         traced = _vllm_compat.compilations()
         assert traced["num_aot_compiles"] + traced["num_inductor_compiles"] > 0, traced
@@ -54,6 +56,7 @@ def test_compiled_engine_samples_the_eager_engines_tokens_before_and_after_a_syn
         assert _vllm_compat.compilations() == traced, "vLLM traced or compiled again after start-up"
     finally:
         compiled.close()
+    assert _vllm_compat.dynamo_bytecode_hooks() == hooks  # and close removes them: none outlives the engine
     assert [c.logprobs for g in after for c in g] != [c.logprobs for g in before for c in g]
 
     eager = VllmEngine(model, workdir=tmp_path / "eager", max_model_len=256)
