@@ -6,11 +6,14 @@ import argparse
 import dataclasses
 from dataclasses import dataclass, field
 
+from ..errors import UsageValueError
 from ..models import DEFAULT_MODEL
 from ..recipes import DEFAULT_RECIPE, RECIPES
 from .correction import LEVELS, MODES, RolloutCorrection
 from .parallel import PARALLEL
 from .report import REPORTS
+
+TRAINER_MODES = ("auto", "compile", "eager")
 
 
 @dataclass
@@ -35,7 +38,7 @@ class GrpoConfig:
     is_clip: float = 2.0
     is_low: float = 0.0
     micro_batch: int = 16
-    trainer_mode: str = "eager"
+    trainer_mode: str = "auto"
     exact: bool = False
     parallel: str = "none"
     out: str = "runs/grpo"
@@ -54,7 +57,21 @@ class GrpoConfig:
     ), repr=False)
 
     def __post_init__(self):
-        self.correction()  # a bad correction setting stops here, before a model loads
+        # bad settings stop here, before a model loads
+        self.correction()
+        if self.trainer_mode not in TRAINER_MODES:
+            modes = ", ".join(TRAINER_MODES)
+            raise UsageValueError(f"trainer_mode {self.trainer_mode!r} is unknown; choose one of {modes}")
+        if self.exact and self.trainer_mode == "compile":
+            raise UsageValueError("--exact runs the trainer eagerly (Inductor's fused kernels do not keep exact mode's "
+                             "numerics); drop --trainer-mode compile")
+
+    def resolved_trainer_mode(self) -> str:
+        """``trainer_mode`` with ``auto`` decided: compile, but eager with ``exact`` (exact mode runs
+        eagerly) and under FSDP2 (its FP8 all-gather runs in the eager trainer)."""
+        if self.trainer_mode != "auto":
+            return self.trainer_mode
+        return "eager" if self.exact or self.parallel == "fsdp" else "compile"
 
     def correction(self) -> RolloutCorrection:
         return RolloutCorrection(self.rollout_correction, self.correction_level, self.is_clip, self.is_low)
@@ -89,9 +106,10 @@ HELP = {
     "is_low": "mis: ratios below it are masked too (0: no lower bound)",
     "micro_batch": "sequences per trainer forward/backward, rounded to whole groups "
                    "(gradients accumulate over the batch)",
-    "trainer_mode": "eager (each linear calls the op; no compile wait, and closest to vLLM's non-GEMM numerics) "
-                    "or compile (torch.compile with our pass, the decoder layer compiled once for all layers: "
-                    "30-60 s of compile first on 2 cores)",
+    "trainer_mode": "compile (torch.compile with our pass, the decoder layer compiled once for all layers: "
+                    "30-60 s before the first step on 2 cores, a few seconds once Inductor's cache holds it), "
+                    "eager (each linear calls the op: no compile wait), or auto: compile, but eager with --exact "
+                    "(exact mode runs eagerly) and with --parallel fsdp (FP8 all-gather needs the eager trainer)",
     "exact": "exact mode: rollout logprobs bitwise equal to the trainer's (mismatch 0.0 every step); "
              "eager trainer, either engine",
     "parallel": "data parallelism under torchrun: none (one process), ddp or fsdp (FSDP2, each decoder layer "
@@ -133,7 +151,7 @@ def add_arguments(parser: argparse.ArgumentParser, defaults: GrpoConfig | None =
         elif f.name == "report_to":
             kwargs["choices"] = list(REPORTS)
         elif f.name == "trainer_mode":
-            kwargs["choices"] = ["compile", "eager"]
+            kwargs["choices"] = list(TRAINER_MODES)
         elif f.name == "parallel":
             kwargs["choices"] = list(PARALLEL)
         parser.add_argument(flag, **kwargs)

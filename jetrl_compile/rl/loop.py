@@ -190,8 +190,8 @@ def _train(cfg: GrpoConfig, ranks: Ranks, found: Path | None, model, tokenizer, 
     model, tokenizer, task, pad = _setup(cfg, model, tokenizer, task)
     model.config.use_cache = False
     ref_model = _reference_copy(model, cfg) if cfg.beta else None
-    unify(model, cfg.recipe, mode=cfg.trainer_mode, dynamic=True if cfg.trainer_mode == "compile" else None,
-          exact=cfg.exact)
+    mode = cfg.resolved_trainer_mode()
+    unify(model, cfg.recipe, mode=mode, dynamic=True if mode == "compile" else None, exact=cfg.exact)
     trainer = parallel.wrap(model, ranks)  # DDP around the unified model, or the model
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
 

@@ -37,6 +37,7 @@ GOOD = json.dumps({"question": "1 + 1?", "answer": "2\n#### 2"}) + "\n"
     (["--rollout-correction", "tis", "--is-low", "3"], r"error: --is-low must be in \[0, --is-clip\)"),
     (["--task", "gsm8k"], "error: --task gsm8k needs --data PATH"),
     (["--difficulty", "7"], "error: arithmetic difficulty 7 must be 1, 2 or 3"),
+    (["--exact", "--trainer-mode", "compile"], "error: --exact runs the trainer eagerly"),
 ])
 def test_bad_flags_are_one_error_line_and_exit_2(capsys, tmp_path, argv, message):
     code, err = _fails(capsys, [*argv, "--out", str(tmp_path / "run")])

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import jetrl_compile
 from jetrl_compile.rl import loop
 from jetrl_compile.rl.checkpoint import latest_checkpoint
 from jetrl_compile.rl.config import GrpoConfig
@@ -120,11 +121,27 @@ def _checkpoint(root):
     return torch.load(latest_checkpoint(root / "run"), weights_only=True)
 
 
-@pytest.mark.parametrize("engine", ENGINES)
-def test_resume_continues_bit_for_bit(tmp_path, engine):
-    (straight, rows, a), (resumed, resumed_rows, b) = _resume_case(tmp_path, engine)
+def test_the_trainer_is_compiled_by_default_and_eager_where_it_must_be():
+    assert GrpoConfig().resolved_trainer_mode() == "compile"
+    assert GrpoConfig(exact=True).resolved_trainer_mode() == "eager"  # exact mode runs eagerly
+    assert GrpoConfig(parallel="fsdp").resolved_trainer_mode() == "eager"  # FP8 all-gather is eager
+    assert GrpoConfig(trainer_mode="eager").resolved_trainer_mode() == "eager"
+
+
+@pytest.mark.parametrize("engine, trainer_mode", [
+    ("hf", "eager"),
+    pytest.param("vllm", "auto", marks=requires_vllm),  # the default: vLLM and the compiled trainer
+])
+def test_resume_continues_bit_for_bit(tmp_path, engine, trainer_mode):
+    (straight, rows, a), (resumed, resumed_rows, b) = _resume_case(tmp_path, engine, trainer_mode=trainer_mode)
     assert all(r["grad_norm"] > 0 for r in rows)  # every step moved the weights (the loss of an
     # on-policy step is about 0 by construction: normalised advantages average to 0)
+    assert all(r["logprob_abs_diff_mean"] < 1e-3 for r in rows), rows  # the engine samples the trainer's function
+    if trainer_mode == "auto":  # compiled: the trainer's linears are the compiled graph's, FP8 forward, BF16 backward
+        precisions = jetrl_compile.linear_precisions(straight)
+        layer = {k: v for k, v in precisions.items() if ".layers." in k}
+        assert len(layer) == 7 and all(r["source"] == "graph 0" for r in layer.values()), precisions
+        assert all((r["fprop"], r["dgrad"], r["wgrad"]) == ("fp8", "bf16", "bf16") for r in layer.values())
     initial = tiny_model("llama", layers=1, seed=0, **VLLM_TINY)
     assert not torch.equal(initial.lm_head.weight, straight.lm_head.weight.float())
     assert [m["step"] for m in resumed_rows] == [3, 4]
