@@ -12,7 +12,11 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import logging
 import os
+from pathlib import Path
+
+log = logging.getLogger("jetrl_compile")
 
 WRITTEN_FOR = "0.32.0"
 
@@ -165,6 +169,24 @@ def compilations() -> dict[str, int]:
         return dataclasses.asdict(compilation_counter)
     except (ImportError, AttributeError, TypeError) as e:
         raise _changed("vllm.compilation.counter.compilation_counter", e) from e
+
+
+def share_model_info_cache(cache_root: Path) -> None:
+    """Link the ``modelinfos`` folder of an engine's own vLLM cache folder to the one in the
+    caller's (``VLLM_CACHE_ROOT``, else vLLM's default). vLLM inspects the model class in a fresh
+    Python process (about 8 s here, more than the rest of a tiny model's start-up) unless that
+    folder holds its result, keyed by the hash of vLLM's model file; an engine's own cache folder
+    starts empty, so every engine paid it. Where the shared folder cannot be made, nothing is
+    linked and vLLM inspects as before."""
+    shared = Path(os.environ.get("VLLM_CACHE_ROOT") or Path.home() / ".cache" / "vllm") / "modelinfos"
+    own = cache_root / "modelinfos"
+    try:
+        shared.mkdir(parents=True, exist_ok=True)
+        cache_root.mkdir(parents=True, exist_ok=True)
+        if not own.exists() and not own.is_symlink():
+            own.symlink_to(shared.resolve(), target_is_directory=True)
+    except OSError as e:
+        log.debug("vLLM's model info cache is not shared (%s): the engine inspects its model itself", e)
 
 
 @contextlib.contextmanager

@@ -201,6 +201,7 @@ class VllmEngine(RolloutEngine):
         if joins_world:  # vLLM makes its groups inside the trainer's world instead of its own
             settings.update(_vllm_compat.external_launcher_settings(torch.distributed.get_rank()))
             launcher = {"distributed_executor_backend": "external_launcher"}
+        _vllm_compat.share_model_info_cache(self.workdir / "vllm-cache")
         hooks_before = _vllm_compat.dynamo_bytecode_hooks()
         with _vllm_compat.environment(settings):
             self.llm = LLM(

@@ -25,9 +25,10 @@ from tests.conftest import FSDP_ALIGNED, VLLM_TINY, ByteTokenizer, requires_vllm
 from tests.rl.test_grpo import EarnableTask, _cfg, _untimed
 
 WORLD = 2
-# the driver's runs: DDP on the default recipe, each rank sampling with its own vLLM; FSDP2 on
-# jetrl with rows that let it gather most weights as FP8 blocks (the checkpoint then goes through
-# the gathered-in-FP8 wrappers), each rank sampling with its own model (HfEngine)
+# the driver's runs, both with the default trainer mode: DDP on the default recipe, each rank
+# sampling with its own vLLM, the trainer compiled; FSDP2 on jetrl with rows that let it gather
+# most weights as FP8 blocks (the checkpoint then goes through the gathered-in-FP8 wrappers), each
+# rank sampling with its own model (HfEngine), the trainer eager
 RUNS = {"ddp": ("fp8_fwd_bf16_bwd", VLLM_TINY, "vllm"), "fsdp": ("jetrl", FSDP_ALIGNED, "hf")}
 
 
@@ -61,7 +62,8 @@ def _rank(rank, world, port, cfg, die_after_step):
         dist.barrier()
         dist.destroy_process_group()
     if cfg.parallel == "ddp":  # DDP keeps whole replicas: each rank's weights, to compare
-        torch.save(model.state_dict(), f"{cfg.out}.rank{rank}.pt")
+        torch.save({"weights": model.state_dict(), "mode": jetrl_compile.unified_state(model).mode},
+                   f"{cfg.out}.rank{rank}.pt")
     elif rank == 0:  # which weights FSDP2 gathered as FP8 blocks, and which shards it holds wrapped
         wrapped = [n for n, p in model.named_parameters() if isinstance(p.to_local(), ShardWithFP8Gather)]
         torch.save((jetrl_compile.unified_state(model).fp8_all_gather, wrapped), f"{cfg.out}.fp8-gather.pt")
@@ -70,7 +72,8 @@ def _rank(rank, world, port, cfg, die_after_step):
 def _run_ranks(tmp_path, name, parallel, *, die_after_step=0, **kw) -> tuple[dict, list[dict]]:
     """(the final checkpoint, metrics rows) of a 4-step run on two ranks."""
     recipe, _, engine = RUNS[parallel]
-    cfg = _cfg(tmp_path / name, steps=4, lr=1e-2, save_every=2, parallel=parallel, recipe=recipe, engine=engine, **kw)
+    cfg = _cfg(tmp_path / name, steps=4, lr=1e-2, save_every=2, parallel=parallel, recipe=recipe, engine=engine,
+               trainer_mode="auto", **kw)
     run_ranks(_rank, (WORLD, _free_port(), cfg, die_after_step), WORLD)
     rows = [json.loads(line) for line in (Path(cfg.out) / "metrics.jsonl").read_text().splitlines()]
     final = torch.load(latest_checkpoint(cfg.out), weights_only=True)
@@ -80,8 +83,9 @@ def _run_ranks(tmp_path, name, parallel, *, die_after_step=0, **kw) -> tuple[dic
         assert len(fp8) == 10 and sorted(wrapped) == fp8, (plan, wrapped)
     if parallel == "ddp":
         replicas = [torch.load(f"{cfg.out}.rank{r}.pt") for r in range(WORLD)]
-        for key, w in replicas[0].items():
-            assert torch.equal(w, replicas[1][key]) and torch.equal(w, final["model"][key]), key
+        assert [r["mode"] for r in replicas] == ["compile"] * WORLD  # the default trainer under DDP
+        for key, w in replicas[0]["weights"].items():
+            assert torch.equal(w, replicas[1]["weights"][key]) and torch.equal(w, final["model"][key]), key
     return final, rows
 
 
