@@ -114,7 +114,8 @@ HELP = {
              "eager trainer, either engine",
     "parallel": "data parallelism under torchrun: none (one process), ddp or fsdp (FSDP2, each decoder layer "
                 "sharded; with --recipe jetrl and the eager trainer it gathers weights as FP8 blocks); each rank "
-                "samples and trains on its share of the prompts (torchrun --nproc-per-node N)",
+                "samples its share of the prompts with its own engine (a vLLM per rank in the torchrun world, or "
+                "hf) and trains on it (torchrun --nproc-per-node N)",
     "out": "output folder: metrics.jsonl, metrics.png, checkpoints/",
     "report_to": "also log every step's metrics to: none, or tensorboard (event files in --out/tensorboard)",
     "eval_every": "every N steps, greedy accuracy on --limit held-out problems, logged as eval_accuracy (0: off)",

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from ..errors import UsageFileExistsError, UsageFileNotFoundError, UsageValueError
+from ..errors import UsageFileExistsError, UsageFileNotFoundError
 from ..models import load_model
 from ..rollout.engines import Completion, make_engine
 from ..unify import unify
@@ -338,15 +338,8 @@ def _setup(cfg: GrpoConfig, model, tokenizer, task):
 
 def _engine(model, tokenizer, cfg: GrpoConfig, workdir: Path, pad: int, ranks: Ranks = ONE_PROCESS, **kwargs):
     hf_tokenizer = tokenizer if hasattr(tokenizer, "save_pretrained") else None  # vLLM saves a real one
-    engine = cfg.engine
-    if ranks.kind == "fsdp":  # DDP: each rank's vLLM joins the torchrun world (external_launcher)
-        if engine == "vllm":
-            raise UsageValueError(
-                "--parallel fsdp samples with --engine hf: a rank holds a shard of each weight, and a vLLM "
-                "engine per rank needs them whole (docs/design.md, section 5.3); --parallel ddp runs vLLM per rank"
-            )
-        engine = "hf"
-    return make_engine(model, engine, tokenizer=hf_tokenizer, workdir=workdir,
+    # under --parallel, a vLLM engine per rank joins the torchrun world (external_launcher)
+    return make_engine(model, cfg.engine, tokenizer=hf_tokenizer, workdir=workdir,
                        eos_token_id=tokenizer.eos_token_id, pad_token_id=pad, **kwargs)
 
 

@@ -101,6 +101,14 @@ def rollout_tensors(
                 yield name, p.detach().to(torch.bfloat16, copy=sharded)
 
 
+def _architecture(model: nn.Module) -> str:
+    """The model's class name as transformers and vLLM know it: FSDP2's ``fully_shard`` swaps in
+    a subclass ``FSDP<Name>`` (bases: ``FSDPModule``, the model's class)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return next(c for c in type(model).__mro__ if not issubclass(c, FSDPModule)).__name__
+
+
 def quantization_config(model: nn.Module, recipe: str | Recipe | None = None, *, fmt: str = "jetrl") -> dict | None:
     """The ``quantization_config`` entry of the exported ``config.json`` (None: plain BF16)."""
     recipe, _ = rollout_recipe_and_cache(model, recipe)
@@ -165,7 +173,7 @@ def export_vllm(
     write_weights(path, tensors)
 
     cfg = config.to_dict()
-    cfg["architectures"] = [type(model).__name__]  # a config built in code may not name it
+    cfg["architectures"] = [_architecture(model)]  # a config built in code may not name it
     qcfg = quantization_config(model, recipe, fmt=format)
     cfg["torch_dtype"] = cfg["dtype"] = str(
         engine_dtype(model, dtype) if format == "jetrl" else torch.bfloat16

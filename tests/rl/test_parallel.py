@@ -29,7 +29,7 @@ WORLD = 2
 # sampling with its own vLLM, the trainer compiled; FSDP2 on jetrl with rows that let it gather
 # most weights as FP8 blocks (the checkpoint then goes through the gathered-in-FP8 wrappers), each
 # rank sampling with its own model (HfEngine), the trainer eager
-RUNS = {"ddp": ("fp8_fwd_bf16_bwd", VLLM_TINY, "vllm"), "fsdp": ("jetrl", FSDP_ALIGNED, "hf")}
+RUNS = {"ddp": ("fp8_fwd_bf16_bwd", VLLM_TINY, "vllm"), "fsdp": ("jetrl", FSDP_ALIGNED, "vllm")}
 
 
 def _free_port() -> int:
@@ -72,8 +72,8 @@ def _rank(rank, world, port, cfg, die_after_step):
 def _run_ranks(tmp_path, name, parallel, *, die_after_step=0, **kw) -> tuple[dict, list[dict]]:
     """(the final checkpoint, metrics rows) of a 4-step run on two ranks."""
     recipe, _, engine = RUNS[parallel]
-    cfg = _cfg(tmp_path / name, steps=4, lr=1e-2, save_every=2, parallel=parallel, recipe=recipe, engine=engine,
-               trainer_mode="auto", **kw)
+    run = dict(steps=4, lr=1e-2, save_every=2, parallel=parallel, recipe=recipe, engine=engine, trainer_mode="auto")
+    cfg = _cfg(tmp_path / name, **{**run, **kw})
     run_ranks(_rank, (WORLD, _free_port(), cfg, die_after_step), WORLD)
     rows = [json.loads(line) for line in (Path(cfg.out) / "metrics.jsonl").read_text().splitlines()]
     final = torch.load(latest_checkpoint(cfg.out), weights_only=True)
@@ -89,21 +89,22 @@ def _run_ranks(tmp_path, name, parallel, *, die_after_step=0, **kw) -> tuple[dic
     return final, rows
 
 
-@pytest.mark.parametrize("parallel", [pytest.param("ddp", marks=requires_vllm), "fsdp"])
+@requires_vllm
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
 def test_two_ranks_train_and_a_killed_rank_resumes_bit_for_bit(tmp_path, parallel):
-    """Under DDP each rank's vLLM joins the torchrun world (external_launcher), samples its share
-    from its rank's weights and is synced after every step; the world, made by the ranks before
-    ``train``, outlives the engines (a barrier runs after it)."""
+    """Each rank's vLLM joins the torchrun world (external_launcher), samples its share from its
+    rank's weights (under FSDP2 the whole weights, gathered for the export, most of them as FP8
+    blocks) and is synced after every step; the world, made by the ranks before ``train``,
+    outlives the engines (a barrier runs after it)."""
     straight, rows = _run_ranks(tmp_path, "a", parallel)
     assert [r["step"] for r in rows] == [1, 2, 3, 4]  # rank 0 alone writes, one line per step
     assert all(r["completions"] == 4 for r in rows)  # both ranks' completions: 2 prompts x 2 samples
     assert sum(r["grad_norm"] > 0 for r in rows) >= 2  # (a step whose groups all tie has no gradient)
-    if parallel == "ddp":
-        for rank in range(WORLD):  # the engines were vLLM's (an HfEngine exports nothing)
-            assert (tmp_path / "a" / "run" / f"engine-rank{rank}" / "rollout-weights" / "config.json").is_file()
-        # each rank's engine, synced after every step, computes its trainer's function (rare
-        # attention ulps aside, see test_vllm_flow); with the sync removed this fails
-        assert all(r["logprob_abs_diff_mean"] < 1e-3 for r in rows), [r["logprob_abs_diff_mean"] for r in rows]
+    for rank in range(WORLD):  # the engines were vLLM's (an HfEngine exports nothing)
+        assert (tmp_path / "a" / "run" / f"engine-rank{rank}" / "rollout-weights" / "config.json").is_file()
+    # each rank's engine, synced after every step, computes its trainer's function (rare
+    # attention ulps aside, see test_vllm_flow); with the sync removed this fails
+    assert all(r["logprob_abs_diff_mean"] < 1e-3 for r in rows), [r["logprob_abs_diff_mean"] for r in rows]
     start = tiny_model("llama", layers=2, seed=0, **RUNS[parallel][1]).state_dict()
     assert straight["ranks"] == WORLD and straight["model"].keys() == start.keys()
     unmoved = [n for n, w in straight["model"].items() if torch.equal(w, start[n])]
@@ -116,6 +117,16 @@ def test_two_ranks_train_and_a_killed_rank_resumes_bit_for_bit(tmp_path, paralle
     for name, w in straight["model"].items():
         assert torch.equal(w, resumed["model"][name]), name
     assert _untimed(resumed_rows) == _untimed(rows)
+
+
+def test_fsdp_ranks_can_sample_with_their_own_model_in_step(tmp_path):
+    """``--engine hf`` under FSDP2: each rank generates with its sharded model, every forward a
+    collective, so the ranks step together (``synced_gpus``) until all are done. It samples the
+    trainer's own function."""
+    _, rows = _run_ranks(tmp_path, "hf", "fsdp", engine="hf", steps=2)
+    assert [r["step"] for r in rows] == [1, 2] and all(r["completions"] == 4 for r in rows)
+    assert not (tmp_path / "hf" / "run" / "engine-rank0" / "rollout-weights").exists()  # no vLLM export
+    assert all(r["logprob_abs_diff_mean"] < 1e-3 for r in rows), rows
 
 
 def _batch(rank1_empty: bool):
@@ -179,14 +190,3 @@ def test_parallel_needs_torchrun_and_a_batch_that_divides(tmp_path, monkeypatch)
     monkeypatch.setenv("WORLD_SIZE", "3")
     with pytest.raises(UsageValueError, match="--batch-size 4 must divide evenly over 3 ranks"):
         loop.train(GrpoConfig(out=str(tmp_path / "r"), parallel="ddp"))
-
-
-def test_fsdp_refuses_the_vllm_engine_by_name(tmp_path):
-    """Under --parallel fsdp each rank holds shards, so it samples with its own HfEngine:
-    --engine vllm is refused, naming --engine hf, before any engine starts (the rank's place is
-    given, so no process starts)."""
-    cfg = GrpoConfig(out=str(tmp_path / "r"), parallel="fsdp", engine="vllm")
-    model = jetrl_compile.unify(tiny_model("llama", layers=1, **VLLM_TINY), "fp8_fwd_bf16_bwd", mode="eager")
-    ranks = parallel.Ranks("fsdp", rank=0, world=WORLD)
-    with pytest.raises(UsageValueError, match="--parallel fsdp samples with --engine hf"):
-        loop._engine(model, ByteTokenizer(), cfg, tmp_path / "engine", 0, ranks=ranks)
