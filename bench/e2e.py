@@ -1,4 +1,6 @@
-"""Where a GRPO step's time goes, per recipe: rollout / train / sync of the default driver.
+"""Where a GRPO step's time goes, per recipe: rollout / train / sync of the driver's loop, with
+the eager trainer unless ``--trainer-mode`` says otherwise (the README's table is eager; the
+driver's own default, ``auto``, compiles it).
 
 Runs ``examples/train_grpo.py``'s loop for ``--steps`` steps per recipe (each in its own
 process), drops the first ``--warmup`` steps (compilation, first engine calls) and reports the
@@ -57,7 +59,7 @@ def main():
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--group-size", type=int, default=8)
     parser.add_argument("--max-new-tokens", type=int, default=32)
-    parser.add_argument("--trainer-mode", default="eager", choices=["compile", "eager"])
+    parser.add_argument("--trainer-mode", default="eager", choices=["auto", "compile", "eager"])
     parser.add_argument("--engine", default="auto", choices=["auto", "vllm", "hf"])
     parser.add_argument("--result", default="e2e", help="name of the table under bench/results/")
     parser.add_argument("--worker", help=argparse.SUPPRESS)

@@ -41,8 +41,11 @@ def flow_config(base: GrpoConfig, flow: str) -> GrpoConfig:
             f"flow {flow!r}: write a recipe ({', '.join(RECIPES)}) with optional +exact and one of +tis, +mis"
         )
     correction = next((m for m in modifiers if m in ("tis", "mis")), base.rollout_correction)
+    # one trainer mode for every flow, so that flows differ only in what they name: exact flows
+    # need the eager trainer, so --trainer-mode auto means eager here
+    mode = "eager" if base.trainer_mode == "auto" else base.trainer_mode
     return dataclasses.replace(base, recipe=recipe, exact=base.exact or "exact" in modifiers,
-                               rollout_correction=correction)
+                               rollout_correction=correction, trainer_mode=mode)
 
 
 def run(base: GrpoConfig, flow: str, seed: int, out: Path) -> list[dict]:

@@ -180,7 +180,8 @@ class JetrlBackend:
                 with torch._inductor.config.patch(FP8_BACKWARD_INDUCTOR_OPTIONS if fp8_backward else INDUCTOR_OPTIONS):
                     return compile_fx_inner(aot_gm, aot_inputs, **kwargs)
 
-            options = {**INDUCTOR_OPTIONS, "unsafe_marked_cacheable_functions": compile_cache.marked_cacheable()}
+            marked = compile_cache.marked_cacheable(record.bf16_gemm, record.fp8_kernel)
+            options = {**INDUCTOR_OPTIONS, "unsafe_marked_cacheable_functions": marked}
             # JETRL_DUMP=1 writes the AOTAutograd graphs, which a hit of its cache never builds
             with torch._inductor.config.patch(options), _aot_cache(not dump.dump_enabled()):
                 compiled = compile_fx(gm, inputs, inner_compile=inner_compile)
@@ -216,8 +217,13 @@ class JetrlBackend:
             "bf16_gemm": record.bf16_gemm,
             "fp8_kernel": record.fp8_kernel,
             "sites": [s.module for s in record.rewrite.sites],
+            # a no-grad graph compiles to an inference graph, a training one to forward + backward
+            "grad_enabled": torch.is_grad_enabled(),
+            "autocast": [torch.is_autocast_enabled(d) for d in ("cpu", "cuda")],
         }
         record.precisions_key = compile_cache.graph_key(gm, inputs, context)
+        if dump.dump_enabled():  # compiled with AOTAutograd's cache off: every graph is read off
+            return
         stored = compile_cache.load(record.precisions_key)
         if stored is None or stored["forward"] is None:
             return
@@ -248,10 +254,13 @@ class JetrlBackend:
         _qualify_module_names(gemms, {site.module for site in record.rewrite.sites})
         if backward:
             record.backward, record.backward_has_fp8 = gemms, graph_has_fp8(aot_gm)
-        else:
+        else:  # a new forward: any backward loaded with stored records is not yet this graph's
             record.forward, record.forward_has_fp8 = gemms, graph_has_fp8(aot_gm)
+            record.backward = record.backward_has_fp8 = None
         record.from_cache = False
-        if record.precisions_key:
+        # stored once the graph is whole, when AOTAutograd stores its own entry: after the
+        # backward of a training graph, after the forward of an inference graph
+        if record.precisions_key and (backward or inference):
             compile_cache.save(record.precisions_key, record.forward, record.backward, record.precision_fields())
         if dump.dump_enabled():
             name = "aot_backward" if backward else ("aot_forward_inference" if inference else "aot_forward")

@@ -26,6 +26,8 @@ import functools
 import hashlib
 import json
 import logging
+import os
+import threading
 from pathlib import Path
 
 import torch
@@ -52,14 +54,19 @@ def _sources_hash(*entries: str) -> str:
 
 
 def op_cache_key() -> str:
-    """A hash of the code that decides what ``fp8_linear`` computes."""
-    return _sources_hash("runtime", "recipes.py")
+    """A hash of the code that decides what ``fp8_linear`` computes (ours and torchao's, whose
+    float8 helpers the quantizer traces)."""
+    import torchao
+
+    return f"{_sources_hash('runtime', 'recipes.py')}-torchao{torchao.__version__}"
 
 
-def marked_cacheable() -> dict[str, str]:
+def marked_cacheable(bf16_gemm: str, fp8_kernel: str) -> dict[str, str]:
     """The value of Inductor's ``unsafe_marked_cacheable_functions`` that lets AOTAutograd cache
-    graphs calling ``fp8_linear``."""
-    return {f"{fp8_linear.__module__}.{fp8_linear.__qualname__}": op_cache_key()}
+    graphs calling ``fp8_linear``: the op's code, and the GEMM paths the op took when the graph
+    was traced (switches read at trace time; a graph with no dequantized-weight input would
+    otherwise look the same on both BF16 GEMM paths)."""
+    return {f"{fp8_linear.__module__}.{fp8_linear.__qualname__}": f"{op_cache_key()}-{bf16_gemm}-{fp8_kernel}"}
 
 
 def graph_key(gm: torch.fx.GraphModule, inputs, context: dict) -> str:
@@ -102,10 +109,15 @@ def save(key: str, forward: list[GemmRecord] | None, backward: list[GemmRecord] 
         ]
 
     folder = _folder()
-    folder.mkdir(parents=True, exist_ok=True)
-    tmp = folder / f"{key}.json.tmp"
-    tmp.write_text(json.dumps({"forward": rows(forward), "backward": rows(backward), **fields}))
-    tmp.replace(folder / f"{key}.json")  # atomic: a reader never sees half a file
+    # a temporary file of this process and thread, renamed: ranks compiling the same graph into one
+    # cache folder each write their own, and a reader never sees half a file
+    tmp = folder / f"{key}.json.{os.getpid()}.{threading.get_ident()}.tmp"
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(json.dumps({"forward": rows(forward), "backward": rows(backward), **fields}))
+        tmp.replace(folder / f"{key}.json")
+    except OSError as e:  # the compile stands; a later process reads the graphs again
+        log.warning("could not store the precision records %s (%s)", folder / f"{key}.json", e)
 
 
 def load(key: str) -> dict | None:

@@ -85,8 +85,7 @@ def report_markdown(report: dict) -> str:
         "",
         f"Recipe `{report['recipe']}`: {report['summary']}.",
         f"Read off the compiled graphs: forward {'yes' if report['forward_compiled'] else 'no'}, "
-        f"backward {'yes' if report['backward_compiled'] else 'not compiled (yet)'}"
-        + (" (by an earlier compile of this graph: AOTAutograd's cache served it)." if report["from_cache"] else "."),
+        f"backward {'yes' if report['backward_compiled'] else 'not compiled (yet)'}.",
         f"FP8 GEMM kernel: {report['fp8_kernel']}; BF16 GEMM path: `{report['bf16_gemm']}`.",
     ]
     if report.get("region"):

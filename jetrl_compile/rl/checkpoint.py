@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from ..errors import UsageValueError
-from .config import GrpoConfig
+from .config import LEGACY_RUN_DEFINING, GrpoConfig
 
 FORMAT = 1
 
@@ -81,7 +81,8 @@ def load_checkpoint(path: Path, run: dict, ranks: int | None = None) -> dict:
         ) from e
     if not isinstance(state, dict) or state.get("format") != FORMAT:
         raise UsageValueError(f"checkpoint {path} is not a jetrl_compile GRPO checkpoint (format {FORMAT})")
-    defaults = GrpoConfig().run_defining()  # a setting added after the checkpoint was written had its default
+    # a setting added after the checkpoint was written had its default then
+    defaults = {**GrpoConfig().run_defining(), **LEGACY_RUN_DEFINING}
     for key, value in run.items():
         saved = state["run"].get(key, defaults.get(key))
         if saved != value:

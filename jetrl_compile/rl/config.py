@@ -8,12 +8,15 @@ from dataclasses import dataclass, field
 
 from ..errors import UsageValueError
 from ..models import DEFAULT_MODEL
-from ..recipes import DEFAULT_RECIPE, RECIPES
+from ..recipes import DEFAULT_RECIPE, RECIPES, get_recipe
 from .correction import LEVELS, MODES, RolloutCorrection
 from .parallel import PARALLEL
 from .report import REPORTS
 
 TRAINER_MODES = ("auto", "compile", "eager")
+# what a checkpoint written before a run-defining setting existed was run with, where that is not
+# today's default: the driver's trainer was eager before "auto" made it compiled
+LEGACY_RUN_DEFINING = {"trainer_mode": "eager"}
 
 
 @dataclass
@@ -53,7 +56,7 @@ class GrpoConfig:
     RUN_DEFINING: tuple = field(default=(
         "model", "task", "data", "difficulty", "recipe", "group_size", "batch_size", "max_new_tokens",
         "lr", "seed", "temperature", "clip_eps", "beta", "exact",
-        "rollout_correction", "correction_level", "is_clip", "is_low",
+        "rollout_correction", "correction_level", "is_clip", "is_low", "trainer_mode",
     ), repr=False)
 
     def __post_init__(self):
@@ -68,16 +71,21 @@ class GrpoConfig:
 
     def resolved_trainer_mode(self) -> str:
         """``trainer_mode`` with ``auto`` decided: compile, but eager with ``exact`` (exact mode runs
-        eagerly) and under FSDP2 (its FP8 all-gather runs in the eager trainer)."""
+        eagerly) and under FSDP2 with a recipe whose weights it gathers as FP8 blocks (FP8 fprop and
+        dgrad: the driver turns FP8 all-gather on, and it runs in the eager trainer)."""
         if self.trainer_mode != "auto":
             return self.trainer_mode
-        return "eager" if self.exact or self.parallel == "fsdp" else "compile"
+        recipe = get_recipe(self.recipe)
+        fp8_gather = self.parallel == "fsdp" and recipe.fprop.is_fp8 and recipe.dgrad.is_fp8
+        return "eager" if self.exact or fp8_gather else "compile"
 
     def correction(self) -> RolloutCorrection:
         return RolloutCorrection(self.rollout_correction, self.correction_level, self.is_clip, self.is_low)
 
     def run_defining(self) -> dict:
-        return {k: getattr(self, k) for k in self.RUN_DEFINING}
+        """The settings a resumed run must share with its checkpoint (the trainer mode as it runs:
+        compiled and eager trainers are not bitwise one function)."""
+        return {k: self.resolved_trainer_mode() if k == "trainer_mode" else getattr(self, k) for k in self.RUN_DEFINING}
 
     def to_dict(self) -> dict:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "RUN_DEFINING"}
@@ -109,7 +117,8 @@ HELP = {
     "trainer_mode": "compile (torch.compile with our pass, the decoder layer compiled once for all layers: "
                     "30-60 s before the first step on 2 cores, a few seconds once Inductor's cache holds it), "
                     "eager (each linear calls the op: no compile wait), or auto: compile, but eager with --exact "
-                    "(exact mode runs eagerly) and with --parallel fsdp (FP8 all-gather needs the eager trainer)",
+                    "(exact mode runs eagerly) and with --parallel fsdp --recipe jetrl (FP8 all-gather needs the "
+                    "eager trainer)",
     "exact": "exact mode: rollout logprobs bitwise equal to the trainer's (mismatch 0.0 every step); "
              "eager trainer, either engine",
     "parallel": "data parallelism under torchrun: none (one process), ddp or fsdp (FSDP2, each decoder layer "

@@ -151,6 +151,17 @@ def remove_dynamo_bytecode_hooks(handles: set[int]) -> None:
         convert_frame._bytecode_hooks.pop(handle, None)
 
 
+@contextlib.contextmanager
+def hooks_removed_on_error(before: set[int]):
+    """An engine that fails to start leaves no Dynamo bytecode hook behind (those registered since
+    ``before``)."""
+    try:
+        yield
+    except BaseException:
+        remove_dynamo_bytecode_hooks(dynamo_bytecode_hooks() - before)
+        raise
+
+
 def external_launcher_settings(rank: int) -> dict[str, str]:
     """What vLLM's ``external_launcher`` reads from the environment to place itself in the
     existing world: RANK and LOCAL_RANK, which torchrun sets and a world started another way may
@@ -176,17 +187,24 @@ def share_model_info_cache(cache_root: Path) -> None:
     caller's (``VLLM_CACHE_ROOT``, else vLLM's default). vLLM inspects the model class in a fresh
     Python process (about 8 s here, more than the rest of a tiny model's start-up) unless that
     folder holds its result, keyed by the hash of vLLM's model file; an engine's own cache folder
-    starts empty, so every engine paid it. Where the shared folder cannot be made, nothing is
-    linked and vLLM inspects as before."""
-    shared = Path(os.environ.get("VLLM_CACHE_ROOT") or Path.home() / ".cache" / "vllm") / "modelinfos"
+    starts empty, so every engine paid it. Call it before the engine's own ``VLLM_CACHE_ROOT`` is
+    set. The caller's folder is found as vLLM finds it (``VLLM_CACHE_ROOT``, else ``vllm`` under
+    ``XDG_CACHE_HOME`` or ``~/.cache``), from the environment: ``vllm.envs`` stops reading it once
+    an engine has started. Where the link cannot be made, vLLM inspects as before."""
+    default_root = Path(os.environ.get("XDG_CACHE_HOME") or Path("~/.cache").expanduser()) / "vllm"
+    shared = Path(os.environ.get("VLLM_CACHE_ROOT") or default_root).expanduser() / "modelinfos"
     own = cache_root / "modelinfos"
     try:
         shared.mkdir(parents=True, exist_ok=True)
         cache_root.mkdir(parents=True, exist_ok=True)
-        if not own.exists() and not own.is_symlink():
+        if own.is_symlink() and own.resolve() != shared.resolve():
+            own.unlink()  # a link to another caller's cache folder, left in a reused workdir
+        if not own.exists():
             own.symlink_to(shared.resolve(), target_is_directory=True)
+        elif not own.is_symlink():
+            log.info("%s is a folder of its own: vLLM's model info cache is not shared there", own)
     except OSError as e:
-        log.debug("vLLM's model info cache is not shared (%s): the engine inspects its model itself", e)
+        log.info("vLLM's model info cache is not shared (%s): the engine inspects its model itself", e)
 
 
 @contextlib.contextmanager

@@ -203,7 +203,7 @@ class VllmEngine(RolloutEngine):
             launcher = {"distributed_executor_backend": "external_launcher"}
         _vllm_compat.share_model_info_cache(self.workdir / "vllm-cache")
         hooks_before = _vllm_compat.dynamo_bytecode_hooks()
-        with _vllm_compat.environment(settings):
+        with _vllm_compat.environment(settings), _vllm_compat.hooks_removed_on_error(hooks_before):
             self.llm = LLM(
                 model=str(self.export_dir),
                 skip_tokenizer_init=tokenizer is None,
@@ -308,8 +308,10 @@ class VllmEngine(RolloutEngine):
     def close(self) -> None:
         llm, self.llm = getattr(self, "llm", None), None
         if llm is not None:
-            _vllm_compat.shutdown(llm, keep_default_group=self._callers_group)
-            _vllm_compat.remove_dynamo_bytecode_hooks(self._dynamo_hooks)
+            try:
+                _vllm_compat.shutdown(llm, keep_default_group=self._callers_group)
+            finally:
+                _vllm_compat.remove_dynamo_bytecode_hooks(self._dynamo_hooks)
 
 
 class HfEngine(RolloutEngine):

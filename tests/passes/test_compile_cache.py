@@ -31,7 +31,7 @@ def _linears(report: list[dict]) -> list[dict]:
 
 
 def _without_cache_flag(report: list[dict]) -> list[dict]:
-    return [{k: v for k, v in row.items() if k != "from_cache"} for row in report]
+    return [{k: v for k, v in graph.items() if k != "from_cache"} for graph in report]
 
 
 def test_a_graph_compiled_before_comes_from_aot_autograds_cache_with_its_report():
@@ -42,24 +42,37 @@ def test_a_graph_compiled_before_comes_from_aot_autograds_cache_with_its_report(
         # one AOTAutograd trace: under dynamic=True Dynamo would trace RMSNorm's float epsilon as a
         # symbol, fail to turn it into a tensor after that trace, and trace again (DYNAMO_OPTIONS)
         assert aot["total"] == 1, aot
-        assert not any(row["from_cache"] for row in report)
+        assert not any(graph["from_cache"] for graph in report)
         rows = _linears(report)
         assert len(rows) == 14 and all(row["fprop"] == "fp8" and row["wgrad"] == "bf16" for row in rows), rows
 
         warm_logits, warm_grads, warm_report, aot = _train_once("fp8_fwd_bf16_bwd")
         assert aot.get("autograd_cache_hit", 0) == 1, aot
-        assert all(row["from_cache"] for row in warm_report)
+        assert all(graph["from_cache"] for graph in warm_report)
         assert _without_cache_flag(warm_report) == _without_cache_flag(report)
         assert torch.equal(warm_logits, logits)
         assert all(torch.equal(a, b) for a, b in zip(warm_grads, grads, strict=True))
 
-        # the records gone: the graph is compiled again from its graphs, and they are read off anew
+        # the records gone: AOTAutograd's cache still serves the graph, which then compiles again
+        # with that cache off, and the records are read off anew
         shutil.rmtree(Path(cache_dir()) / "jetrl_precisions")
         _, _, again, aot = _train_once("fp8_fwd_bf16_bwd")
-        assert not any(row["from_cache"] for row in again), aot
+        assert aot.get("autograd_cache_hit") == 1 and aot["total"] == 2, aot
+        assert not any(graph["from_cache"] for graph in again)
         assert _without_cache_flag(again) == _without_cache_flag(report)
 
         # another recipe is another graph: no hit, its own report
         _, _, other, aot = _train_once("bf16")
         assert not aot.get("autograd_cache_hit") and all(row["fprop"] == "bf16" for row in _linears(other)), aot
 
+
+def test_a_graph_traced_on_the_other_bf16_gemm_path_is_not_served_from_the_cache(monkeypatch):
+    """Which BF16 GEMM the op runs is read when the graph is traced; a ``bf16`` graph calls the op
+    with the same arguments on both paths, so the path must be part of AOTAutograd's key."""
+    with fresh_cache():
+        monkeypatch.setenv("JETRL_BF16_GEMM", "native")
+        _train_once("bf16")
+        monkeypatch.setenv("JETRL_BF16_GEMM", "fp32")
+        _, _, report, aot = _train_once("bf16")
+        assert not aot.get("autograd_cache_hit"), aot
+        assert {graph["bf16_gemm"] for graph in report} == {"fp32"}

@@ -64,6 +64,8 @@ def test_flows_name_recipe_exact_mode_and_rollout_correction():
     both = compare.flow_config(base, "jetrl+exact+mis")
     assert (both.recipe, both.exact, both.rollout_correction) == ("jetrl", True, "mis")
     assert compare.flow_config(base, "bf16").rollout_correction == "none"
+    # every flow trains eagerly (exact flows must), so flows differ only in what they name
+    assert {compare.flow_config(base, f).resolved_trainer_mode() for f in ("bf16", "jetrl+exact")} == {"eager"}
     for bad in ("fp8", "bf16+tis+mis", "bf16+fast"):
         with pytest.raises(ValueError, match="flow .*: write a recipe"):
             compare.flow_config(base, bad)

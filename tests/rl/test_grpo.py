@@ -124,7 +124,8 @@ def _checkpoint(root):
 def test_the_trainer_is_compiled_by_default_and_eager_where_it_must_be():
     assert GrpoConfig().resolved_trainer_mode() == "compile"
     assert GrpoConfig(exact=True).resolved_trainer_mode() == "eager"  # exact mode runs eagerly
-    assert GrpoConfig(parallel="fsdp").resolved_trainer_mode() == "eager"  # FP8 all-gather is eager
+    assert GrpoConfig(parallel="fsdp", recipe="jetrl").resolved_trainer_mode() == "eager"  # FP8 all-gather is eager
+    assert GrpoConfig(parallel="fsdp").resolved_trainer_mode() == "compile"  # no FP8 all-gather for the default
     assert GrpoConfig(trainer_mode="eager").resolved_trainer_mode() == "eager"
 
 

@@ -25,10 +25,10 @@ from tests.conftest import FSDP_ALIGNED, VLLM_TINY, ByteTokenizer, requires_vllm
 from tests.rl.test_grpo import EarnableTask, _cfg, _untimed
 
 WORLD = 2
-# the driver's runs, both with the default trainer mode: DDP on the default recipe, each rank
-# sampling with its own vLLM, the trainer compiled; FSDP2 on jetrl with rows that let it gather
-# most weights as FP8 blocks (the checkpoint then goes through the gathered-in-FP8 wrappers), each
-# rank sampling with its own model (HfEngine), the trainer eager
+# the driver's runs, each rank sampling with its own vLLM, the trainer in the default mode: DDP on
+# the default recipe, the trainer compiled; FSDP2 on jetrl with rows that let it gather most
+# weights as FP8 blocks (the checkpoint and the engines' exports then go through the
+# gathered-in-FP8 wrappers), the trainer eager
 RUNS = {"ddp": ("fp8_fwd_bf16_bwd", VLLM_TINY, "vllm"), "fsdp": ("jetrl", FSDP_ALIGNED, "vllm")}
 
 
