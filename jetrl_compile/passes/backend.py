@@ -41,9 +41,19 @@ DYNAMO_OPTIONS = {"specialize_float": True}
 
 def call_compiled(compiled, options: dict, *args, **kwargs):
     """Call a function ``torch.compile`` made with this backend, under ``DYNAMO_OPTIONS`` and
-    ``options`` (Dynamo reads its options when it traces, during a call)."""
-    with torch._dynamo.config.patch({**DYNAMO_OPTIONS, **options}):
+    ``options`` (Dynamo reads its options when it traces, during a call). Every layer call comes
+    through here, so the options are set and put back as attributes: ``config.patch`` cost about
+    130 us a call on this CPU, an attribute 4 us."""
+    config = torch._dynamo.config
+    settings = {**DYNAMO_OPTIONS, **options}
+    saved = {name: getattr(config, name) for name in settings}
+    for name, value in settings.items():
+        setattr(config, name, value)
+    try:
         return compiled(*args, **kwargs)
+    finally:
+        for name, value in saved.items():
+            setattr(config, name, value)
 
 
 @dataclass
