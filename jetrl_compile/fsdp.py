@@ -20,6 +20,7 @@ import logging
 import torch.distributed as dist
 import torch.nn as nn
 
+from .recipes import Recipe
 from .runtime.fp8_all_gather import enable_fp8_all_gather, fp8_gather_plan
 from .runtime.sharding import is_sharded
 from .state import unified_state
@@ -59,12 +60,18 @@ def fp8_all_gather(model: nn.Module, world_size: int | None = None) -> dict[str,
     return plan
 
 
+def recipe_gathers_fp8(recipe: Recipe) -> bool:
+    """Whether FSDP2 can gather ``recipe``'s weights as FP8 blocks: every GEMM that reads the
+    weight reads its blocks (FP8 fprop and dgrad; the wgrad does not read it)."""
+    return recipe.fprop.is_fp8 and recipe.dgrad.is_fp8
+
+
 def fp8_all_gather_refusal(model: nn.Module) -> str | None:
     """Why the unified ``model`` cannot gather its weights as FP8 blocks (its recipe or its mode),
     or None if it can."""
     state = unified_state(model)
     recipe = state.recipe
-    if not (recipe.fprop.is_fp8 and recipe.dgrad.is_fp8):
+    if not recipe_gathers_fp8(recipe):
         return (
             f"recipe {recipe.name!r} multiplies by the full-precision weight in its BF16 "
             f"{'fprop' if not recipe.fprop.is_fp8 else 'dgrad'} GEMM, so FSDP2 must gather that weight; "

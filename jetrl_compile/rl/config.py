@@ -7,6 +7,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from ..errors import UsageValueError
+from ..fsdp import recipe_gathers_fp8
 from ..models import DEFAULT_MODEL
 from ..recipes import DEFAULT_RECIPE, RECIPES, get_recipe
 from .correction import LEVELS, MODES, RolloutCorrection
@@ -75,8 +76,7 @@ class GrpoConfig:
         dgrad: the driver turns FP8 all-gather on, and it runs in the eager trainer)."""
         if self.trainer_mode != "auto":
             return self.trainer_mode
-        recipe = get_recipe(self.recipe)
-        fp8_gather = self.parallel == "fsdp" and recipe.fprop.is_fp8 and recipe.dgrad.is_fp8
+        fp8_gather = self.parallel == "fsdp" and recipe_gathers_fp8(get_recipe(self.recipe))
         return "eager" if self.exact or fp8_gather else "compile"
 
     def correction(self) -> RolloutCorrection:
