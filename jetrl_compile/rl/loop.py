@@ -207,7 +207,7 @@ def _train(cfg: GrpoConfig, ranks: Ranks, found: Path | None, model, tokenizer, 
     elif ranks.main:
         metrics_path.write_text("")
     if ranks.main:
-        settings = {**cfg.to_dict(), "trainer_mode": cfg.resolved_trainer_mode()}  # as it runs, not "auto"
+        settings = {**cfg.to_dict(), "trainer_mode": mode}  # as it runs, not "auto"
         (out / "config.json").write_text(json.dumps(settings, indent=2))
 
     report = make_report(cfg.report_to if ranks.main else "none", out)
