@@ -152,14 +152,17 @@ def remove_dynamo_bytecode_hooks(handles: set[int]) -> None:
 
 
 @contextlib.contextmanager
-def hooks_removed_on_error(before: set[int]):
-    """An engine that fails to start leaves no Dynamo bytecode hook behind (those registered since
-    ``before``)."""
+def dynamo_bytecode_hooks_added(added: set[int]):
+    """Collect into ``added`` the Dynamo bytecode hooks registered inside the block (an engine's
+    start-up: its ``close`` removes them); if the block fails, they are removed at once, so an
+    engine that fails to start leaves none behind."""
+    before = dynamo_bytecode_hooks()
     try:
         yield
     except BaseException:
         remove_dynamo_bytecode_hooks(dynamo_bytecode_hooks() - before)
         raise
+    added.update(dynamo_bytecode_hooks() - before)
 
 
 def external_launcher_settings(rank: int) -> dict[str, str]:

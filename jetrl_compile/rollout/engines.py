@@ -202,8 +202,8 @@ class VllmEngine(RolloutEngine):
             settings.update(_vllm_compat.external_launcher_settings(torch.distributed.get_rank()))
             launcher = {"distributed_executor_backend": "external_launcher"}
         _vllm_compat.share_model_info_cache(self.workdir / "vllm-cache")
-        hooks_before = _vllm_compat.dynamo_bytecode_hooks()
-        with _vllm_compat.environment(settings), _vllm_compat.hooks_removed_on_error(hooks_before):
+        self._dynamo_hooks: set[int] = set()  # a compiled model's; close removes them
+        with _vllm_compat.environment(settings), _vllm_compat.dynamo_bytecode_hooks_added(self._dynamo_hooks):
             self.llm = LLM(
                 model=str(self.export_dir),
                 skip_tokenizer_init=tokenizer is None,
@@ -216,7 +216,6 @@ class VllmEngine(RolloutEngine):
                 logprobs_mode=logprobs_mode,
                 **launcher,
             )
-        self._dynamo_hooks = _vllm_compat.dynamo_bytecode_hooks() - hooks_before  # a compiled model's; close removes
         self._exact = None
         if self.exact:  # before any request: the model computes exact mode's function from the start
             from ..exact import rope_table
