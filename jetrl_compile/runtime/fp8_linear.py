@@ -83,7 +83,9 @@ class _RecipeLinear(torch.autograd.Function):
             dx = dx.to(ctx.x_dtype).reshape(ctx.x_shape)
         if ctx.needs_input_grad[1]:
             if ctx.wgrad == "fp8":
-                dw = fp8_gemm_quantizing(dy2.t(), fused_quantize_groupwise(x2.t()))
+                # both operands in groups of 128 tokens: their last dim is the token count
+                x_t = fused_quantize_groupwise(x2.t(), along_tokens=True)
+                dw = fp8_gemm_quantizing(dy2.t(), x_t, along_tokens=True)
             else:
                 dw = bf16_gemm(dy2.t(), x2.t())
             dw = dw.to(weight.dtype)

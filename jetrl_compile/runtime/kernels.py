@@ -136,15 +136,22 @@ def fp8_gemm(
 
 
 def fp8_gemm_quantizing(
-    x: torch.Tensor, b: Quantized, bias: torch.Tensor | None = None, b_dequantized: torch.Tensor | None = None
+    x: torch.Tensor,
+    b: Quantized,
+    bias: torch.Tensor | None = None,
+    b_dequantized: torch.Tensor | None = None,
+    *,
+    along_tokens: bool = False,
 ) -> torch.Tensor:
     """``fp8_gemm(quantize_groupwise(x), b, bias, b_dequantized)``, taking the activation
     unquantized so that its quantize runs as one fused kernel when called eagerly: fused with the
     dequantize for the emulation (``fake_quantize_groupwise``), alone before a real FP8 GEMM.
-    Same result, bit for bit."""
+    Same result, bit for bit. ``along_tokens``: ``x``'s last dim is the token count (the wgrad's
+    ``dy^T``), see ``fake_quantize_groupwise``."""
     if b_dequantized is not None and not _use_cuda_blockwise(x, b):
-        return bf16_gemm(fake_quantize_groupwise(x, gemm_operand_dtype(x.device)), b_dequantized, bias)
-    return fp8_gemm(fused_quantize_groupwise(x), b, bias, b_dequantized)
+        x_deq = fake_quantize_groupwise(x, gemm_operand_dtype(x.device), along_tokens=along_tokens)
+        return bf16_gemm(x_deq, b_dequantized, bias)
+    return fp8_gemm(fused_quantize_groupwise(x, along_tokens=along_tokens), b, bias, b_dequantized)
 
 
 def uses_emulation(device: torch.device | str) -> bool:

@@ -178,7 +178,8 @@ def test_partial_blocks_compiled_equal_eager():
 
 @pytest.mark.parametrize("shape", [(5, 576), (3, 1536), (2, 7, 96), (1, 128)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_fused_fake_quantize_is_bitwise_the_eager_ops(shape, dtype):
+@pytest.mark.parametrize("along_tokens", [False, True])
+def test_fused_fake_quantize_is_bitwise_the_eager_ops(shape, dtype, along_tokens):
     """The vLLM plugin and the eager trainer run the compiled kernel; the compiled trainer traces
     the plain ops. They must agree bit for bit, NaN groups included."""
     from jetrl_compile.runtime.quantize import _fake_quantize, fake_quantize_groupwise
@@ -188,7 +189,7 @@ def test_fused_fake_quantize_is_bitwise_the_eager_ops(shape, dtype):
     x.view(-1, shape[-1])[0, :3] = 0.0
     x.view(-1, shape[-1])[-1, -1] = float("nan")
     x = x.to(dtype)
-    fused, eager = fake_quantize_groupwise(x), _fake_quantize(x)
+    fused, eager = fake_quantize_groupwise(x, along_tokens=along_tokens), _fake_quantize(x)
     assert fused.dtype == eager.dtype == torch.bfloat16
     assert torch.equal(fused.isnan(), eager.isnan())
     assert torch.equal(fused.nan_to_num().view(torch.int16), eager.nan_to_num().view(torch.int16))
@@ -204,7 +205,31 @@ def test_fused_quantize_is_bitwise_quantize_groupwise(transposed):
         torch.randn(300, 200, generator=g) * 10.0 ** torch.randint(-20, 20, (300, 1), generator=g).float()
     ).to(torch.bfloat16)
     x = x.t() if transposed else x
-    assert_same_quantization(fused_quantize_groupwise(x), quantize_groupwise(x))
+    assert_same_quantization(fused_quantize_groupwise(x, along_tokens=transposed), quantize_groupwise(x))
+
+
+def test_the_fused_quantize_compiles_once_per_group_length_and_once_for_any_token_count():
+    """An activation's last dim is a linear's in- or out-features: its kernel is compiled for that
+    length, with the rows (tokens) dynamic, so a new batch size compiles nothing (decode's single
+    row and an empty batch included) and a new length compiles a graph of its own. The wgrad's
+    operands have the token count as their last dim: with ``along_tokens`` their kernel is dynamic
+    in it too."""
+    from torch._dynamo.utils import counters
+
+    from jetrl_compile.runtime.quantize import fake_quantize_groupwise
+
+    def graphs(shapes, **kw) -> int:
+        before = counters["stats"]["unique_graphs"]
+        for shape in shapes:
+            x = torch.randn(shape)
+            fake_quantize_groupwise(x, **kw)
+            assert not hasattr(x, "_dynamo_unbacked_indices")  # the mark went on an alias, not the caller's x
+        return counters["stats"]["unique_graphs"] - before
+
+    assert graphs([(9, 331), (40, 331), (1, 331), (0, 331)]) == 1  # 331: a length no other test uses
+    assert graphs([(9, 339)]) == 1  # same groups (2 full and a tail), another length: compiled again
+    graphs([(33, 333)], along_tokens=True)  # 2 full groups and a tail (compiled here, or by an earlier test)
+    assert graphs([(33, 461), (33, 589)], along_tokens=True) == 0  # so is any token count with 2+ groups and a tail
 
 
 def test_fused_fake_quantize_still_raises_under_check_finite(monkeypatch):
