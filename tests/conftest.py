@@ -173,16 +173,17 @@ class ByteTokenizer:
         return bytes(i for i in ids if i != 0 or not skip_special_tokens).decode("utf-8", errors="replace")
 
 
-# What every rank of a multi-process test imports, loaded once by the fork server (below).
-_RANK_PRELOAD = ["torch", "torch.distributed.fsdp", "transformers", "jetrl_compile.rl.loop", "tests.conftest"]
+# What every rank of a multi-process test loads, loaded once by the fork server (below).
+_RANK_PRELOAD = ["tests.rank_preload"]
 
 
 def run_ranks(fn, args: tuple, world: int) -> None:
     """``fn(rank, *args)`` in ``world`` processes, as ``torch.multiprocessing.spawn`` runs them,
-    but forked from one server process that imported torch, transformers and the package once for
-    the whole run (a spawned process would spend seconds importing them again). The server is
-    single-threaded, so forking from it is safe where forking pytest itself would not be. Each
-    rank gets the caller's environment of now (the server's is that of when it started)."""
+    but forked from one server process that loaded torch, transformers, vLLM and the package once
+    for the whole run (``tests/rank_preload.py``; a spawned process would spend seconds importing
+    them again). The server is single-threaded, so forking from it is safe where forking pytest
+    itself would not be. Each rank gets the caller's environment of now (the server's is that of
+    when it started)."""
     import torch.multiprocessing as mp
 
     mp.get_context("forkserver").set_forkserver_preload(_RANK_PRELOAD)

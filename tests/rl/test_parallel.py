@@ -72,7 +72,9 @@ def _rank(rank, world, port, cfg, die_after_step):
 def _run_ranks(tmp_path, name, parallel, *, die_after_step=0, **kw) -> tuple[dict, list[dict]]:
     """(the final checkpoint, metrics rows) of a 4-step run on two ranks."""
     recipe, _, engine = RUNS[parallel]
-    run = dict(steps=4, lr=1e-2, save_every=2, parallel=parallel, recipe=recipe, engine=engine, trainer_mode="auto")
+    # metrics.png once, at the end (drawing it takes about 0.5 s)
+    run = dict(steps=4, lr=1e-2, save_every=2, plot_every=4, parallel=parallel, recipe=recipe, engine=engine,
+               trainer_mode="auto")
     cfg = _cfg(tmp_path / name, **{**run, **kw})
     run_ranks(_rank, (WORLD, _free_port(), cfg, die_after_step), WORLD)
     rows = [json.loads(line) for line in (Path(cfg.out) / "metrics.jsonl").read_text().splitlines()]

@@ -47,7 +47,9 @@ def test_two_way_tensor_parallel_vllm_loads_each_rank_its_exact_blocks(tmp_path,
     cores = sorted(os.sched_getaffinity(0))
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", f"{cores[0]}|{cores[-1]}")  # one core per rank
     monkeypatch.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # collective_rpc of a test function
-    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
+    # the engine core in this process: vLLM starts CPU processes by spawning them (each imports vLLM
+    # again, about 6 s here), and the two TP workers are the processes this test is about
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
     llm = LLM(model=str(path), skip_tokenizer_init=True, dtype="float32", enforce_eager=True, max_model_len=128,
               tensor_parallel_size=2, distributed_executor_backend="mp")
