@@ -30,6 +30,7 @@ groups and the partial tail group are handled as two separate tensors and joined
 from __future__ import annotations
 
 import functools
+import inspect
 from typing import NamedTuple
 
 import torch
@@ -193,9 +194,9 @@ def fake_quantize_groupwise(
     kernels off.
 
     The kernel is compiled on first use for each length of the last dim (a linear's in- or
-    out-features), one graph for any row count. ``along_tokens=True`` is for operands whose last
-    dim is the token count, which changes from batch to batch (the FP8 wgrad's ``dy^T``): their
-    kernel keeps every dim dynamic.
+    out-features) and dtype, one graph for any number of rows (leading dims are flattened).
+    ``along_tokens=True`` is for operands whose last dim is the token count, which changes from
+    batch to batch (the FP8 wgrad's ``dy^T``): their kernel keeps every dim dynamic.
     """
     return _eager_or_fused(_fake_quantize, x, dtype, along_tokens=along_tokens)
 
@@ -216,14 +217,26 @@ def _eager_or_fused(fn, x: torch.Tensor, *args, along_tokens: bool):
     _check_finite(x, "quantize_groupwise")  # skipped inside the compiled function
     if along_tokens:
         return _compiled(fn, along_tokens=True)(x, *args)
-    x = x.view(x.shape)  # the row-count mark goes on an alias, not on the caller's tensor
-    torch._dynamo.decorators.mark_unbacked(x, 0)  # any row count, 0 and 1 (decode) included: one graph
-    return _compiled(fn, along_tokens=False)(x, *args)
+    # As contiguous rows of the group length: a new tensor (the caller's is never marked), whose
+    # row count is unbacked, so that one graph takes any number of rows, 0 and 1 (decode) included.
+    # Exact elementwise arithmetic per group: reshaping changes no value.
+    rows = x.contiguous().reshape(-1, x.shape[-1])
+    torch._dynamo.decorators.mark_unbacked(rows, 0)
+    out = _compiled(fn, along_tokens=False)(rows, *args)
+    if isinstance(out, Quantized):
+        return Quantized(out.data.reshape(x.shape), out.scale.reshape(*x.shape[:-1], out.scale.shape[-1]))
+    return out.reshape(x.shape)
 
 
-# Fixed-length kernels a process may compile before the fused quantize falls back to the eager ops
-# (still bitwise, only slower): a model has a few lengths (hidden size, MLP width, k/v width).
+# Graphs each compiled variant may hold before the fused quantize runs as the eager ops (bitwise the
+# same, only slower; Dynamo logs it once). A fixed-length graph is one per width, input dtype and
+# output dtype: a model has a few widths (hidden size, MLP width, k/v width). The along-tokens one
+# is one per class of token count (under 128, a multiple of 128, one group and a tail, ...).
 _FIXED_LENGTH_GRAPHS = 32
+_ALONG_TOKENS_GRAPHS = 16
+# torch.compile's recompile_limit and isolate_recompiles (torch 2.13): each variant counts its own
+# graphs. Older versions count both against Dynamo's global recompile limit.
+_PER_CALL_LIMITS = "isolate_recompiles" in inspect.signature(torch.compile).parameters
 
 
 @functools.cache
@@ -231,11 +244,10 @@ def _compiled(fn, *, along_tokens: bool):
     """``fn`` compiled for a fixed group length (the last dim static, the rows dynamic), or for
     any shape. A fixed last dim spares Dynamo the symbolic arithmetic of splitting it into groups:
     a graph compiles in about 0.35 s against 1 to 1.7 s with every dim symbolic (this CPU, Inductor
-    cache warm). The row count is unbacked, so one graph serves every batch, decode's single row
-    included. Each variant counts its graphs towards its own recompile limit."""
-    if along_tokens:
-        return torch.compile(fn, dynamic=True, isolate_recompiles=True)
-    return torch.compile(fn, dynamic=False, recompile_limit=_FIXED_LENGTH_GRAPHS, isolate_recompiles=True)
+    cache warm)."""
+    limit = _ALONG_TOKENS_GRAPHS if along_tokens else _FIXED_LENGTH_GRAPHS
+    options = dict(recompile_limit=limit, isolate_recompiles=True) if _PER_CALL_LIMITS else {}
+    return torch.compile(fn, dynamic=along_tokens, **options)
 
 
 def expand_block_scale(scale: torch.Tensor, shape: torch.Size | tuple[int, int]) -> torch.Tensor:

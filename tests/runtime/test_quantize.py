@@ -211,25 +211,36 @@ def test_fused_quantize_is_bitwise_quantize_groupwise(transposed):
 def test_the_fused_quantize_compiles_once_per_group_length_and_once_for_any_token_count():
     """An activation's last dim is a linear's in- or out-features: its kernel is compiled for that
     length, with the rows (tokens) dynamic, so a new batch size compiles nothing (decode's single
-    row and an empty batch included) and a new length compiles a graph of its own. The wgrad's
-    operands have the token count as their last dim: with ``along_tokens`` their kernel is dynamic
-    in it too."""
+    row, an empty batch, leading dims and a strided input included) and a new length compiles a
+    graph of its own. The wgrad's operands have the token count as their last dim: with
+    ``along_tokens`` their kernel is dynamic in it too. Every result is the eager ops' bit for bit."""
     from torch._dynamo.utils import counters
 
-    from jetrl_compile.runtime.quantize import fake_quantize_groupwise
+    from jetrl_compile.runtime import quantize
+    from jetrl_compile.runtime.quantize import _fake_quantize, fake_quantize_groupwise, fused_quantize_groupwise
 
-    def graphs(shapes, **kw) -> int:
+    def graphs(inputs, quantize_fn=fake_quantize_groupwise, **kw) -> int:
         before = counters["stats"]["unique_graphs"]
-        for shape in shapes:
-            x = torch.randn(shape)
-            fake_quantize_groupwise(x, **kw)
-            assert not hasattr(x, "_dynamo_unbacked_indices")  # the mark went on an alias, not the caller's x
+        for x in inputs:
+            if quantize_fn is fake_quantize_groupwise:
+                assert torch.equal(quantize_fn(x, **kw), _fake_quantize(x))
+            else:
+                assert_same_quantization(quantize_fn(x, **kw), quantize_groupwise(x))
+            assert not hasattr(x, "_dynamo_unbacked_indices")  # the caller's tensor is never marked
         return counters["stats"]["unique_graphs"] - before
 
-    assert graphs([(9, 331), (40, 331), (1, 331), (0, 331)]) == 1  # 331: a length no other test uses
-    assert graphs([(9, 339)]) == 1  # same groups (2 full and a tail), another length: compiled again
-    graphs([(33, 333)], along_tokens=True)  # 2 full groups and a tail (compiled here, or by an earlier test)
-    assert graphs([(33, 461), (33, 589)], along_tokens=True) == 0  # so is any token count with 2+ groups and a tail
+    g = torch.Generator().manual_seed(3)
+    quantize._compiled.cache_clear()  # compiled variants of this test's own, counting their own graphs
+    try:
+        rows = [torch.randn(m, 331, generator=g) for m in (9, 40, 1, 0)]
+        assert graphs(rows) == 1
+        assert graphs([torch.randn(2, 5, 331, generator=g), torch.randn(331, 7, generator=g).t()]) == 0
+        assert graphs([torch.randn(9, 339, generator=g)]) == 1  # same groups (2 full and a tail), another length
+        assert graphs([torch.randn(m, 331, generator=g) for m in (3, 0)], fused_quantize_groupwise) == 1
+        tokens = [torch.randn(33, t, generator=g) for t in (333, 461, 589)]  # 2+ full groups and a tail
+        assert graphs(tokens[:1], along_tokens=True) == 1 and graphs(tokens[1:], along_tokens=True) == 0
+    finally:
+        quantize._compiled.cache_clear()
 
 
 def test_fused_fake_quantize_still_raises_under_check_finite(monkeypatch):
