@@ -7,7 +7,8 @@ stops, and each collection walked the whole heap of these imports again (about 1
 
 It imports and probes only, and checks that no Python thread started: a compile here would leave
 one behind (tqdm's monitor), and forking a process while another thread runs Python is unsafe.
-(The native threads of BLAS pools that numpy and torch start on import shut down across a fork.)"""
+Importing torch and numpy also starts native threads (probably BLAS pools; torch alone starts
+one). The fork server had torch's since it was introduced, and its ranks have forked cleanly."""
 
 import gc
 import threading
