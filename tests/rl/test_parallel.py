@@ -25,11 +25,13 @@ from tests.conftest import FSDP_ALIGNED, VLLM_TINY, ByteTokenizer, requires_vllm
 from tests.rl.test_grpo import EarnableTask, _cfg, _untimed
 
 WORLD = 2
-# the driver's runs, each rank sampling with its own vLLM, the trainer in the default mode: DDP on
-# the default recipe, the trainer compiled; FSDP2 on jetrl with rows that let it gather most
-# weights as FP8 blocks (the checkpoint and the engines' exports then go through the
-# gathered-in-FP8 wrappers), the trainer eager
-RUNS = {"ddp": ("fp8_fwd_bf16_bwd", VLLM_TINY, "vllm"), "fsdp": ("jetrl", FSDP_ALIGNED, "vllm")}
+# the driver's runs, each rank sampling with its own vLLM, the trainer eager: DDP on the default
+# recipe; FSDP2 on jetrl with rows that let it gather most weights as FP8 blocks (the checkpoint and
+# the engines' exports then go through the gathered-in-FP8 wrappers; its default trainer mode is
+# eager). The compiled trainer under DDP is test_distributed's (and one process's driver runs it
+# in test_grpo): compiled here, a clean checkout's ranks spent some 25 s compiling one-thread
+# kernels that no other test shares (Inductor keys CPU kernels on the thread count).
+RUNS = {"ddp": ("fp8_fwd_bf16_bwd", VLLM_TINY, "vllm", "eager"), "fsdp": ("jetrl", FSDP_ALIGNED, "vllm", "auto")}
 
 
 def _free_port() -> int:
@@ -71,10 +73,10 @@ def _rank(rank, world, port, cfg, die_after_step):
 
 def _run_ranks(tmp_path, name, parallel, *, die_after_step=0, **kw) -> tuple[dict, list[dict]]:
     """(the final checkpoint, metrics rows) of a 4-step run on two ranks."""
-    recipe, _, engine = RUNS[parallel]
+    recipe, _, engine, trainer_mode = RUNS[parallel]
     # metrics.png once, at the end (drawing it takes about 0.5 s)
     run = dict(steps=4, lr=1e-2, save_every=2, plot_every=4, parallel=parallel, recipe=recipe, engine=engine,
-               trainer_mode="auto")
+               trainer_mode=trainer_mode)
     cfg = _cfg(tmp_path / name, **{**run, **kw})
     run_ranks(_rank, (WORLD, _free_port(), cfg, die_after_step), WORLD)
     rows = [json.loads(line) for line in (Path(cfg.out) / "metrics.jsonl").read_text().splitlines()]
@@ -85,7 +87,7 @@ def _run_ranks(tmp_path, name, parallel, *, die_after_step=0, **kw) -> tuple[dic
         assert len(fp8) == 10 and sorted(wrapped) == fp8, (plan, wrapped)
     if parallel == "ddp":
         replicas = [torch.load(f"{cfg.out}.rank{r}.pt") for r in range(WORLD)]
-        assert [r["mode"] for r in replicas] == ["compile"] * WORLD  # the default trainer under DDP
+        assert [r["mode"] for r in replicas] == ["eager"] * WORLD
         for key, w in replicas[0]["weights"].items():
             assert torch.equal(w, replicas[1]["weights"][key]) and torch.equal(w, final["model"][key]), key
     return final, rows
