@@ -181,9 +181,9 @@ def run_ranks(fn, args: tuple, world: int) -> None:
     """``fn(rank, *args)`` in ``world`` processes, as ``torch.multiprocessing.spawn`` runs them,
     but forked from one server process that loaded torch, transformers, vLLM and the package once
     for the whole run (``tests/rank_preload.py``; a spawned process would spend seconds importing
-    them again). The server is single-threaded, so forking from it is safe where forking pytest
-    itself would not be. Each rank gets the caller's environment of now (the server's is that of
-    when it started)."""
+    them again). The server runs no Python thread but its own (the preload asserts it), so forking
+    from it is safe where forking pytest itself would not be. Each rank gets the caller's
+    environment of now (the server's is that of when it started)."""
     import torch.multiprocessing as mp
 
     mp.get_context("forkserver").set_forkserver_preload(_RANK_PRELOAD)
