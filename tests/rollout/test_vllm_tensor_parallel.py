@@ -1,14 +1,22 @@
-"""vLLM's own tensor-parallel loading (TP=2, two CPU worker processes) of our export: every rank
-holds exactly its slice of the trainer's FP8 blocks, for column-parallel fused layers (q/k/v with
-replicated kv heads, gate/up) and row-parallel ones (o, down: K split, scales split with it)."""
+"""vLLM's own tensor-parallel loading (TP=2) of our export: every rank holds exactly its slice of
+the trainer's FP8 blocks, for column-parallel fused layers (q/k/v with replicated kv heads, gate/up)
+and row-parallel ones (o, down: K split, scales split with it).
 
+The two TP ranks are processes started as torchrun starts them, each running its engine in-process
+and joining the world as vLLM's ``external_launcher``: forked from the tests' preloaded fork
+server, where vLLM's own multiprocessing executor spawns CPU workers that import vLLM again (this
+test took about 20 s that way, 4 s this way). Either way each rank's model loads the export
+through the same tensor-parallel weight loaders."""
+
+import json
 import os
+import socket
 
 import torch
 
 from jetrl_compile.rollout.export import export_vllm, rollout_tensors
 from jetrl_compile.runtime.quantize import dequantize
-from tests.conftest import requires_vllm, unified_tiny
+from tests.conftest import requires_vllm, run_ranks, unified_tiny
 
 pytestmark = requires_vllm
 
@@ -31,35 +39,60 @@ def _save_rank_layer(worker, folder: str) -> int:
     return rank
 
 
+def _shared_memory_name(worker) -> str:
+    """The name of the shared memory vLLM's CPU tensor-parallel communicator made on this rank."""
+    from vllm.distributed import get_tp_group
+
+    return get_tp_group().device_communicator.dist_module.group_name
+
+
 def _rows_dequantized(q: torch.Tensor, row_scales: torch.Tensor) -> torch.Tensor:
     """A rank's weight: its FP8 payload times the scale of each row's 128-column group."""
     return q.float() * row_scales.repeat_interleave(128, dim=1)[:, : q.shape[1]]
 
 
-def test_two_way_tensor_parallel_vllm_loads_each_rank_its_exact_blocks(tmp_path, monkeypatch):
+def _tensor_parallel_rank(rank: int, port: int, export: str, folder: str) -> None:
+    """One of two TP ranks: load the export, save this rank's slice of layer 0, sample greedily."""
     from vllm import LLM, SamplingParams
 
+    cores = sorted(os.sched_getaffinity(0))
+    os.environ.update(
+        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+        GLOO_SOCKET_IFNAME=os.environ.get("GLOO_SOCKET_IFNAME", "lo"),
+        VLLM_CPU_OMP_THREADS_BIND=f"{cores[0]}|{cores[-1]}",  # one core per rank
+        VLLM_ENABLE_V1_MULTIPROCESSING="0",  # the engine core in the rank's own process
+        VLLM_CPU_KVCACHE_SPACE="1",
+    )
+    torch.set_num_threads(1)
+    llm = LLM(model=export, skip_tokenizer_init=True, dtype="float32", enforce_eager=True, max_model_len=128,
+              tensor_parallel_size=2, distributed_executor_backend="external_launcher", seed=0)
+    # vLLM's CPU communicator names its shared memory after the init method, the same every run
+    # under external_launcher, and frees it at interpreter exit, which a multiprocessing child skips
+    # (it leaves by os._exit): the next run would find it and fail. Each rank removes its own.
+    (shared_memory,) = llm.collective_rpc(_shared_memory_name)
+    try:
+        assert llm.collective_rpc(_save_rank_layer, args=(folder,)) == [rank]  # this process's worker only
+        out = llm.generate([{"prompt_token_ids": [1, 2, 3, 4, 5]}], SamplingParams(max_tokens=4, temperature=0),
+                           use_tqdm=False)
+        with open(os.path.join(folder, f"tokens{rank}.json"), "w") as f:
+            json.dump(list(out[0].outputs[0].token_ids), f)
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+        os.unlink(f"/dev/shm/{shared_memory}_{rank}")
+
+
+def test_two_way_tensor_parallel_vllm_loads_each_rank_its_exact_blocks(tmp_path):
     model = unified_tiny(**DIMS)
     path = export_vllm(model, tmp_path / "export", tokenizer=False)
     full = dict(rollout_tensors(model))
     whole = {name.removesuffix(".weight"): dequantize(full[name], full[name + "_scale"], torch.float32)
              for name in full if name.startswith("model.layers.0.") and name + "_scale" in full}
-    cores = sorted(os.sched_getaffinity(0))
-    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", f"{cores[0]}|{cores[-1]}")  # one core per rank
-    monkeypatch.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # collective_rpc of a test function
-    # the engine core in this process: vLLM starts CPU processes by spawning them (each imports vLLM
-    # again, about 6 s here), and the two TP workers are the processes this test is about
-    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
-    llm = LLM(model=str(path), skip_tokenizer_init=True, dtype="float32", enforce_eager=True, max_model_len=128,
-              tensor_parallel_size=2, distributed_executor_backend="mp")
-    try:
-        assert sorted(llm.collective_rpc(_save_rank_layer, args=(str(tmp_path),))) == [0, 1]
-        out = llm.generate([{"prompt_token_ids": [1, 2, 3, 4, 5]}], SamplingParams(max_tokens=4, temperature=0),
-                           use_tqdm=False)
-        assert len(out[0].outputs[0].token_ids) == 4
-    finally:
-        llm.llm_engine.engine_core.shutdown()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    run_ranks(_tensor_parallel_rank, (port, str(path), str(tmp_path)), 2)
+    tokens = [json.loads((tmp_path / f"tokens{rank}.json").read_text()) for rank in range(2)]
+    assert len(tokens[0]) == 4 and tokens[0] == tokens[1]  # one engine, sharded: both ranks sample alike
 
     def w(name):
         return whole[f"model.layers.0.{name}"]
