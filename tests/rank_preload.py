@@ -42,29 +42,33 @@ def _linear_widths(**dims) -> set[int]:
 
 
 def _warm_fused_quantize():
-    """The fused FP8 quantize's graphs for the tiny models' widths, as the ranks call it: a rank
-    that finds its width here compiles nothing (one that does not compiles it, as before).
+    """The fused FP8 quantize's graphs for the tiny models' widths, as the ranks call it (on one
+    thread): a rank that finds its width here compiles nothing, one that does not compiles it, as
+    before; the results are the same either way.
     Measured with the 2-process test files alone: 114-120 s without, 93-95 s with."""
     import tqdm
     from torch._inductor import config as inductor_config
 
+    from jetrl_compile.runtime.kernels import gemm_operand_dtype
     from jetrl_compile.runtime.quantize import fake_quantize_groupwise, fused_quantize_groupwise
 
     tqdm.tqdm.monitor_interval = 0  # Inductor's progress bar (disabled) starts tqdm's monitor otherwise
     threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # the ranks' count (Inductor keys CPU kernels on it); no OpenMP pool to fork
+    torch.set_num_threads(1)  # the ranks' count (Dynamo guards on it); no OpenMP pool to fork
     with inductor_config.patch(compile_threads=1):  # no compile workers
         widths = _linear_widths() | _linear_widths(**VLLM_TINY) | _linear_widths(**FSDP_ALIGNED)
         tensor_parallel = {FSDP_ALIGNED["hidden_size"] // 2, FSDP_ALIGNED["intermediate_size"] // 2}  # row shards
+        operand = gemm_operand_dtype("cpu")  # what the emulated FP8 GEMM multiplies in here
         # Dynamo guards on grad mode and on inference tensors: the trainer's linears quantize
-        # without grad (inside their autograd function), vLLM's under inference mode
+        # without grad (inside their autograd function), vLLM's under inference mode. Constant
+        # inputs: the ranks inherit this process's random state.
         for context in (torch.no_grad, torch.inference_mode):
             with context():
                 for width in sorted(widths | tensor_parallel):
-                    fake_quantize_groupwise(torch.randn(3, width, dtype=torch.bfloat16))
+                    fake_quantize_groupwise(torch.ones(3, width, dtype=torch.bfloat16), operand)
         with torch.no_grad():
             for tokens in (24, 160):  # the FP8 wgrad's x^T and dy^T: under 128 tokens, and a tail
-                fused_quantize_groupwise(torch.randn(tokens, 64, dtype=torch.bfloat16).t(), along_tokens=True)
+                fused_quantize_groupwise(torch.ones(tokens, 64, dtype=torch.bfloat16).t(), along_tokens=True)
     torch.set_num_threads(threads)
 
 

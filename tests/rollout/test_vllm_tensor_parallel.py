@@ -3,8 +3,8 @@ the trainer's FP8 blocks, for column-parallel fused layers (q/k/v with replicate
 and row-parallel ones (o, down: K split, scales split with it).
 
 The two TP ranks are processes started as torchrun starts them, each running its engine in-process
-and joining the world as vLLM's ``external_launcher``: forked from the tests' preloaded fork
-server, where vLLM's own multiprocessing executor spawns CPU workers that import vLLM again (this
+and joining the world as vLLM's ``external_launcher``, forked from the tests' preloaded fork
+server. vLLM's own multiprocessing executor instead spawns CPU workers that import vLLM again (this
 test took about 20 s that way, 4 s this way). Either way each rank's model loads the export
 through the same tensor-parallel weight loaders."""
 
@@ -40,7 +40,8 @@ def _save_rank_layer(worker, folder: str) -> int:
 
 
 def _shared_memory_name(worker) -> str:
-    """The name of the shared memory vLLM's CPU tensor-parallel communicator made on this rank."""
+    """The group name of vLLM's CPU tensor-parallel communicator, whose shared memory on rank r
+    is named ``{group name}_{r}``."""
     from vllm.distributed import get_tp_group
 
     return get_tp_group().device_communicator.dist_module.group_name
@@ -67,10 +68,12 @@ def _tensor_parallel_rank(rank: int, port: int, export: str, folder: str) -> Non
     llm = LLM(model=export, skip_tokenizer_init=True, dtype="float32", enforce_eager=True, max_model_len=128,
               tensor_parallel_size=2, distributed_executor_backend="external_launcher", seed=0)
     # vLLM's CPU communicator names its shared memory after the init method, the same every run
-    # under external_launcher, and frees it at interpreter exit, which a multiprocessing child skips
-    # (it leaves by os._exit): the next run would find it and fail. Each rank removes its own.
-    (shared_memory,) = llm.collective_rpc(_shared_memory_name)
+    # under external_launcher, and frees it in a destructor at process exit, which a multiprocessing
+    # child skips (it leaves by os._exit): the next run would find it and fail (errno 17). Each
+    # rank removes its own (a rank killed before that leaves it in /dev/shm, to remove by hand).
+    shared_memory = None
     try:
+        (shared_memory,) = llm.collective_rpc(_shared_memory_name)
         assert llm.collective_rpc(_save_rank_layer, args=(folder,)) == [rank]  # this process's worker only
         out = llm.generate([{"prompt_token_ids": [1, 2, 3, 4, 5]}], SamplingParams(max_tokens=4, temperature=0),
                            use_tqdm=False)
@@ -78,7 +81,8 @@ def _tensor_parallel_rank(rank: int, port: int, export: str, folder: str) -> Non
             json.dump(list(out[0].outputs[0].token_ids), f)
     finally:
         llm.llm_engine.engine_core.shutdown()
-        os.unlink(f"/dev/shm/{shared_memory}_{rank}")
+        if shared_memory is not None:  # shm_open's name: leading slashes dropped
+            os.unlink(f"/dev/shm/{shared_memory.lstrip('/')}_{rank}")
 
 
 def test_two_way_tensor_parallel_vllm_loads_each_rank_its_exact_blocks(tmp_path):
