@@ -1,5 +1,6 @@
 import importlib.metadata
 import os
+import socket
 from pathlib import Path
 
 import pytest
@@ -175,6 +176,13 @@ class ByteTokenizer:
 
 # What every rank of a multi-process test loads, loaded once by the fork server (below).
 _RANK_PRELOAD = ["tests.rank_preload"]
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now, for a test's rendezvous or server."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def run_ranks(fn, args: tuple, world: int) -> None:

@@ -6,7 +6,6 @@ import gc
 import json
 import os
 import signal
-import socket
 from pathlib import Path
 
 import pytest
@@ -21,7 +20,7 @@ from jetrl_compile.rl.checkpoint import latest_checkpoint
 from jetrl_compile.rl.config import GrpoConfig
 from jetrl_compile.rollout.engines import Completion
 from jetrl_compile.runtime.fp8_all_gather import ShardWithFP8Gather
-from tests.conftest import FSDP_ALIGNED, VLLM_TINY, ByteTokenizer, requires_vllm, run_ranks, tiny_model
+from tests.conftest import FSDP_ALIGNED, VLLM_TINY, ByteTokenizer, free_port, requires_vllm, run_ranks, tiny_model
 from tests.rl.test_grpo import EarnableTask, _cfg, _untimed
 
 WORLD = 2
@@ -32,12 +31,6 @@ WORLD = 2
 # in test_grpo): compiled here, a clean checkout's ranks spent some 25 s compiling one-thread
 # kernels that no other test shares (Inductor keys CPU kernels on the thread count).
 RUNS = {"ddp": ("fp8_fwd_bf16_bwd", VLLM_TINY, "vllm", "eager"), "fsdp": ("jetrl", FSDP_ALIGNED, "vllm", "auto")}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _rank(rank, world, port, cfg, die_after_step):
@@ -78,7 +71,7 @@ def _run_ranks(tmp_path, name, parallel, *, die_after_step=0, **kw) -> tuple[dic
     run = dict(steps=4, lr=1e-2, save_every=2, plot_every=4, parallel=parallel, recipe=recipe, engine=engine,
                trainer_mode=trainer_mode)
     cfg = _cfg(tmp_path / name, **{**run, **kw})
-    run_ranks(_rank, (WORLD, _free_port(), cfg, die_after_step), WORLD)
+    run_ranks(_rank, (WORLD, free_port(), cfg, die_after_step), WORLD)
     rows = [json.loads(line) for line in (Path(cfg.out) / "metrics.jsonl").read_text().splitlines()]
     final = torch.load(latest_checkpoint(cfg.out), weights_only=True)
     if parallel == "fsdp":  # all but k/v (64 rows) of the 2 layers
@@ -179,7 +172,7 @@ def test_a_data_parallel_update_is_bitwise_one_process_on_the_whole_batch(tmp_pa
     finally:
         torch.set_num_threads(threads)
     out = tmp_path / "rank0.pt"
-    run_ranks(_update_rank, (WORLD, _free_port(), kind, rank1_empty, str(out)), WORLD)
+    run_ranks(_update_rank, (WORLD, free_port(), kind, rank1_empty, str(out)), WORLD)
     weights, loss, grad_norm = torch.load(out, weights_only=True)
     assert ref_stats.grad_norm > 0 and (loss, grad_norm) == (ref_stats.loss, ref_stats.grad_norm)
     for name, w in ref_weights.items():

@@ -5,7 +5,6 @@ import contextlib
 import importlib.metadata
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -17,7 +16,7 @@ import pytest
 from jetrl_compile.rollout import _vllm_compat
 from jetrl_compile.rollout.engines import VllmEngine
 from jetrl_compile.rollout.export import export_vllm
-from tests.conftest import requires_vllm, unified_tiny, word_tokenizer
+from tests.conftest import free_port, requires_vllm, unified_tiny, word_tokenizer
 
 SERVE = Path(sys.executable).parent / "jetrl-serve"  # the console script `make venv` installs
 
@@ -44,12 +43,6 @@ def test_cli_version_lookup_answers_for_the_cpu_wheel():
         importlib.metadata.version("vllm")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _post(url: str, body: dict) -> dict:
     request = urllib.request.Request(url, json.dumps(body).encode(), {"content-type": "application/json"})
     with urllib.request.urlopen(request, timeout=120) as response:
@@ -58,7 +51,7 @@ def _post(url: str, body: dict) -> dict:
 
 @contextlib.contextmanager
 def _server(path: Path, workdir: Path):
-    port, log = _free_port(), workdir / "serve.log"
+    port, log = free_port(), workdir / "serve.log"
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CACHE_ROOT": str(workdir / "vllm-cache")}
     command = [str(SERVE), str(path), "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
                "--max-model-len", "128", "--enforce-eager", "--logprobs-mode", "raw_logprobs"]

@@ -10,13 +10,12 @@ through the same tensor-parallel weight loaders."""
 
 import json
 import os
-import socket
 
 import torch
 
 from jetrl_compile.rollout.export import export_vllm, rollout_tensors
 from jetrl_compile.runtime.quantize import dequantize
-from tests.conftest import requires_vllm, run_ranks, unified_tiny
+from tests.conftest import free_port, requires_vllm, run_ranks, unified_tiny
 
 pytestmark = requires_vllm
 
@@ -91,10 +90,7 @@ def test_two_way_tensor_parallel_vllm_loads_each_rank_its_exact_blocks(tmp_path)
     full = dict(rollout_tensors(model))
     whole = {name.removesuffix(".weight"): dequantize(full[name], full[name + "_scale"], torch.float32)
              for name in full if name.startswith("model.layers.0.") and name + "_scale" in full}
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    run_ranks(_tensor_parallel_rank, (port, str(path), str(tmp_path)), 2)
+    run_ranks(_tensor_parallel_rank, (free_port(), str(path), str(tmp_path)), 2)
     tokens = [json.loads((tmp_path / f"tokens{rank}.json").read_text()) for rank in range(2)]
     assert len(tokens[0]) == 4 and tokens[0] == tokens[1]  # one engine, sharded: both ranks sample alike
 
