@@ -11,7 +11,6 @@ from pathlib import Path
 import torch
 
 RESULTS = Path(__file__).parent / "results"
-CPU_SWITCHES = ("ONEDNN_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY", "JETRL_BF16_GEMM")
 
 
 def median_seconds(fn, reps: int, warmup: int = 2) -> float:
@@ -42,21 +41,15 @@ def interleaved_medians(fns: dict, reps: int, warmup: int = 1) -> dict[str, floa
 
 
 def machine() -> str:
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
+    from jetrl_compile.runtime.cpu import cpu_kind, cpu_model
     from jetrl_compile.runtime.kernels import bf16_gemm_name
+    from jetrl_compile.runtime.switches import cpu_switches_set
 
     # The CPU kind decides which BF16 GEMM path runs (kernels.bf16_gemm): name both, and any
     # variable that capped the CPU or forced the path for this run.
-    forced = [f"{k}={os.environ[k]}" for k in CPU_SWITCHES if k in os.environ]
+    forced = cpu_switches_set()
     return (
-        f"{cpu} (torch CPU capability {torch.backends.cpu.get_cpu_capability()}), {os.cpu_count()} cores, "
+        f"{cpu_model()} (torch CPU capability {cpu_kind()}), {os.cpu_count()} cores, "
         f"torch {torch.__version__} ({torch.get_num_threads()} threads), python {platform.python_version()}; "
         f"BF16 GEMMs: {bf16_gemm_name('cpu')}" + (f"; set: {' '.join(forced)}" if forced else "")
     )

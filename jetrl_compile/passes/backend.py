@@ -26,7 +26,7 @@ from ..runtime.fp8_linear import FP8_BACKWARD_INDUCTOR_OPTIONS, INDUCTOR_OPTIONS
 from ..runtime.kernels import bf16_gemm_path, gemm_operand_dtype, kernel_name, uses_emulation
 from ..state import UnifiedState
 from . import compile_cache, dump
-from .precision_report import GemmRecord, classify_backward, gemms_in_graph, graph_has_fp8
+from .precision_report import GemmRecord, classify_backward, fp8_saved_tensors, gemms_in_graph, graph_has_fp8
 from .rewrite_linears import ParamInfo, RewriteResult, rewrite_linears
 
 log = logging.getLogger("jetrl_compile")
@@ -69,6 +69,8 @@ class GraphRecord:
     backward: list[GemmRecord] | None = None
     forward_has_fp8: bool | None = None
     backward_has_fp8: bool | None = None
+    # names of the forward's saved tensors that hold FP8 values, read by the backward's report
+    fp8_saved: frozenset[str] = frozenset()
     precisions_key: str = ""  # the key its records are stored under (compile_cache)
     from_cache: bool = False  # records loaded from a previous compile of the same graph
 
@@ -260,7 +262,10 @@ class JetrlBackend:
         # The cached dequantizations of FP8 weights enter the graph as inputs: they count as
         # FP8 operands (their values are exactly the FP8 payload times its power-of-two scale).
         fp8_inputs = {s.dequantized_input for s in record.rewrite.rewritten} - {None}
-        gemms = gemms_in_graph(aot_gm, "backward" if backward else "forward", fp8_inputs)
+        # The backward reads them, and views of them, as tensors the forward saved.
+        if not backward:
+            record.fp8_saved = fp8_saved_tensors(aot_gm, fp8_inputs)
+        gemms = gemms_in_graph(aot_gm, "backward" if backward else "forward", fp8_inputs, record.fp8_saved)
         _qualify_module_names(gemms, {site.module for site in record.rewrite.sites})
         if backward:
             record.backward, record.backward_has_fp8 = gemms, graph_has_fp8(aot_gm)

@@ -5,6 +5,15 @@ forward and backward graphs handed to Inductor, it checks whether each operand i
 ``float8_e4m3fn`` tensor, and attributes the GEMM to its ``nn.Linear`` through the node metadata
 Dynamo and AOTAutograd keep (``nn_module_stack`` in the forward, ``fwd_nn_module_stack`` in the
 backward). A pass that silently did nothing shows up as ``bf16`` rows.
+
+An operand counts as FP8 when its values are exactly an FP8 payload times its scales, in any
+dtype: on the ``fp32`` BF16 GEMM path the dequantized operands are FP32 tensors, and still FP8.
+Three ways in: computed in the graph from a ``float8_e4m3fn`` value; a graph input that holds a
+dequantization (the weight cache's ``W_deq``); or, in a backward graph, a tensor the forward
+saved that is one of those (the FP8 dgrad's ``deq(W)^T``, a view the forward made of ``W_deq``).
+AOTAutograd's partitioner cuts both graphs out of one joint graph, so a saved tensor has the same
+node name in the forward's outputs and among the backward's inputs. Likewise an operand that is
+an exact upcast of a BF16 value (a BF16 gradient converted to FP32) counts as BF16.
 """
 
 from __future__ import annotations
@@ -85,9 +94,38 @@ def _input_index(node: fx.Node) -> int | None:
     return getattr(desc, "idx", None) if type(desc).__name__ == "PlainAOTInput" else None
 
 
-def _operand_precision(node: fx.Node, fp8_inputs: frozenset[int] = frozenset(), max_depth: int = 16) -> str:
-    """"fp8" if the operand is computed from a float8 tensor through dequantize/layout ops, or is
-    one of ``fp8_inputs`` (graph inputs that hold a dequantized FP8 payload)."""
+# Ops that move values without changing any (the upcast chain of ``_upcast_source``).
+_LAYOUT_OPS = {
+    "expand", "view", "reshape", "_unsafe_view", "permute", "t", "transpose", "clone", "unsqueeze",
+    "squeeze", "alias", "contiguous", "flatten", "unflatten",
+}
+# dtype -> the dtypes it holds exactly (an upcast from one of them changes no value)
+_EXACT_UPCASTS = {
+    torch.float32: (torch.bfloat16, torch.float16),
+    torch.float64: (torch.float32, torch.bfloat16, torch.float16),
+}
+
+
+def _op_name(node: fx.Node) -> str:
+    return getattr(node.target, "__name__", str(node.target)).split(".")[0]
+
+
+def _operand_precision(
+    node: fx.Node,
+    fp8_inputs: frozenset[int] = frozenset(),
+    fp8_saved: frozenset[str] = frozenset(),
+    max_depth: int = 16,
+) -> str:
+    """"fp8" if the operand is computed from a float8 tensor through dequantize/layout ops, is one
+    of ``fp8_inputs`` (graph inputs that hold a dequantized FP8 payload) or a placeholder named in
+    ``fp8_saved`` (saved tensors of the forward that do); else the dtype of the value it upcasts."""
+    if _is_fp8_valued(node, fp8_inputs, fp8_saved, max_depth):
+        return "fp8"
+    dtype = _val_dtype(_upcast_source(node))
+    return dtype_tag(dtype) if dtype is not None else "?"
+
+
+def _is_fp8_valued(node: fx.Node, fp8_inputs: frozenset[int], fp8_saved: frozenset[str], max_depth: int) -> bool:
     seen, frontier = set(), [(node, 0)]
     while frontier:
         n, depth = frontier.pop()
@@ -95,43 +133,66 @@ def _operand_precision(node: fx.Node, fp8_inputs: frozenset[int] = frozenset(), 
             continue
         seen.add(n)
         if _val_dtype(n) in (torch.float8_e4m3fn, torch.float8_e5m2):
-            return "fp8"
-        if n.op == "placeholder" and _input_index(n) in fp8_inputs:
-            return "fp8"
-        if depth >= max_depth or n.op != "call_function":
-            continue
-        name = getattr(n.target, "__name__", str(n.target)).split(".")[0]
-        if name not in _OPERAND_OPS:
+            return True
+        if n.op == "placeholder" and (_input_index(n) in fp8_inputs or n.name in fp8_saved):
+            return True
+        if depth >= max_depth or n.op != "call_function" or _op_name(n) not in _OPERAND_OPS:
             continue
         frontier.extend((a, depth + 1) for a in n.all_input_nodes)
-    dtype = _val_dtype(node)
-    return dtype_tag(dtype) if dtype is not None else "?"
+    return False
 
 
-def gemms_in_graph(gm: fx.GraphModule, graph: str, fp8_inputs=frozenset()) -> list[GemmRecord]:
+def _upcast_source(node: fx.Node) -> fx.Node:
+    """The value an operand holds exactly: followed back through layout ops and exact upcasts
+    (``convert_element_type`` to a dtype that holds every value of its input's)."""
+    while node.op == "call_function" and node.args and isinstance(node.args[0], fx.Node):
+        source = node.args[0]
+        name = _op_name(node)
+        upcast = name in ("convert_element_type", "_to_copy") and _val_dtype(source) in _EXACT_UPCASTS.get(
+            _val_dtype(node), ()
+        )
+        if not (upcast or (name in _LAYOUT_OPS and _val_dtype(source) == _val_dtype(node))):
+            break
+        node = source
+    return node
+
+
+def gemms_in_graph(
+    gm: fx.GraphModule, graph: str, fp8_inputs=frozenset(), fp8_saved=frozenset()
+) -> list[GemmRecord]:
     """Every matrix multiply of an AOT graph, with its module and operand precisions.
 
     ``fp8_inputs``: flat-input positions that carry a dequantization (BF16 or FP32) of an FP8 payload
-    (the weight cache's ``W_deq``); GEMM operands read from them count as FP8.
+    (the weight cache's ``W_deq``); GEMM operands read from them count as FP8. ``fp8_saved``, for
+    a backward graph: the names of the forward's saved tensors that do (``fp8_saved_tensors``).
     """
-    fp8_inputs = frozenset(fp8_inputs)
+    fp8_inputs, fp8_saved = frozenset(fp8_inputs), frozenset(fp8_saved)
     records = []
     for node in gm.graph.nodes:
         if node.op != "call_function" or node.target not in _GEMM_OPS:
             continue
-        a, b = (node.args[i] for i in _GEMM_OPS[node.target])
+        operands = [node.args[i] for i in _GEMM_OPS[node.target]]
         val = node.meta.get("val")
         records.append(
             GemmRecord(
                 module=module_name_from_meta(node, graph == "backward") or "?",
                 graph=graph,
                 node=node.name,
-                operand_dtypes=(_operand_precision(a, fp8_inputs), _operand_precision(b, fp8_inputs)),
+                operand_dtypes=tuple(_operand_precision(x, fp8_inputs, fp8_saved) for x in operands),
                 out_shape=tuple(val.shape) if val is not None else (),
                 out_dtype=str(val.dtype).removeprefix("torch.") if val is not None else "",
             )
         )
     return records
+
+
+def fp8_saved_tensors(gm: fx.GraphModule, fp8_inputs=frozenset()) -> frozenset[str]:
+    """Names of a forward graph's outputs that hold FP8 values (a payload, or a dequantization of
+    one, read from ``fp8_inputs`` or computed in the graph): the saved tensors the backward reads
+    under the same names. The user outputs among them are never backward placeholders."""
+    fp8_inputs = frozenset(fp8_inputs)
+    (output,) = (n for n in gm.graph.nodes if n.op == "output")
+    return frozenset(v.name for v in output.all_input_nodes if _is_fp8_valued(v, fp8_inputs, frozenset(), 16))
 
 
 def graph_has_fp8(gm: fx.GraphModule) -> bool:

@@ -66,6 +66,15 @@ def dump_dir() -> Path:
     return Path(os.environ.get(DUMP_DIR) or "jetrl_dump")
 
 
+# Variables, ours and torch's, that cap the CPU's ISA or force our GEMM path: a run names those set.
+CPU_SWITCHES = ("ONEDNN_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY", BF16_GEMM, "JETRL_TEST_CPU")
+
+
+def cpu_switches_set() -> list[str]:
+    """``NAME=value`` for each of ``CPU_SWITCHES`` set in the environment."""
+    return [f"{name}={os.environ[name]}" for name in CPU_SWITCHES if os.environ.get(name)]
+
+
 def launcher_world() -> int | None:
     """The number of processes torchrun started (its ``WORLD_SIZE``; ``RANK`` set too), or None
     outside torchrun. Not a switch of ours, but read here with the rest of the environment."""

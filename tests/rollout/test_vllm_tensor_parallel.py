@@ -38,12 +38,16 @@ def _save_rank_layer(worker, folder: str) -> int:
     return rank
 
 
-def _shared_memory_name(worker) -> str:
+def _shared_memory_name(worker) -> str | None:
     """The group name of vLLM's CPU tensor-parallel communicator, whose shared memory on rank r
-    is named ``{group name}_{r}``."""
+    is named ``{group name}_{r}``; None where it uses none. vLLM's AVX2 kernel library (an
+    AVX2-only x86 CPU) has no shared-memory ops (``torch.ops._C.init_shm_manager``): there the
+    communicator is plain ``torch.distributed`` (gloo) and leaves nothing to remove."""
+    import torch.distributed as dist
     from vllm.distributed import get_tp_group
 
-    return get_tp_group().device_communicator.dist_module.group_name
+    module = get_tp_group().device_communicator.dist_module
+    return None if module is dist else module.group_name
 
 
 def _rows_dequantized(q: torch.Tensor, row_scales: torch.Tensor) -> torch.Tensor:

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 
 from jetrl_compile.runtime import dequantize, fp8_linear, quantize_blockwise, quantize_groupwise
 from jetrl_compile.runtime.fp8_linear import FP8_BACKWARD_INDUCTOR_OPTIONS, INDUCTOR_OPTIONS
-from jetrl_compile.runtime.kernels import bf16_gemm, kernel_name
+from jetrl_compile.runtime.kernels import bf16_gemm, cpu_has_bf16_dot_product, kernel_name
 from tests.conftest import assert_within_gemm_definition
 
 BF16 = torch.bfloat16
@@ -121,6 +121,21 @@ def test_feature_mismatch_error_names_both_shapes():
         fp8_linear(torch.randn(2, 200), torch.randn(3, 5))
 
 
+def _assert_same_gemm_up_to_summation_order(eager, compiled):
+    """The native path forced on a CPU without BF16 dot products (an AVX2-only x86; ``auto`` takes
+    the fp32 path there): torch's BF16 matmul is then ATen's own loop, not oneDNN, and it sums in
+    an order that follows the operands' strides. Inductor lays out the FP8 wgrad's operands
+    otherwise than the eager op, so compiled and eager are the same GEMM only up to the float32
+    summation order the GEMM definition leaves open: a result that lands near a BF16 rounding
+    boundary may round the other way (1 of the 884,736 elements of the 1536 x 576 jetrl wgrad).
+    A wrong quantization (the FP32 activation quantized unrounded) moves most elements."""
+    differ = eager != compiled
+    assert differ.float().mean() < 1e-3, f"{int(differ.sum())} of {eager.numel()} elements differ"
+    if differ.any():  # each by a BF16 rounding step at most
+        rel = (eager.float() - compiled.float()).abs() / eager.float().abs().clamp_min(1e-30)
+        assert rel[differ].max() <= 2.0**-7
+
+
 @pytest.mark.parametrize(
     "recipe,m,k,n,x_dtype",
     [
@@ -135,7 +150,7 @@ def test_feature_mismatch_error_names_both_shapes():
         ("jetrl", 64, 576, 1536, torch.float32),
     ],
 )
-def test_compiled_fullgraph_forward_and_backward_equal_eager(recipe, m, k, n, x_dtype):
+def test_compiled_fullgraph_forward_and_backward_equal_eager(recipe, m, k, n, x_dtype, gemm_path):
     x, w, b = _inputs(m=m, k=k, n=n, bias=True, x_dtype=x_dtype)
     dy = torch.randn(m, n).to(x_dtype)
 
@@ -146,7 +161,10 @@ def test_compiled_fullgraph_forward_and_backward_equal_eager(recipe, m, k, n, x_
     eager = _grads(fn, x, w, b, dy)
     compiled = _grads(torch.compile(fn, fullgraph=True, dynamic=False, options=options), x, w, b, dy)
     for e, c in zip(eager[:3], compiled[:3]):  # output, dx, dw: the GEMMs and their operands
-        assert torch.equal(e, c)
+        if gemm_path == "fp32" or cpu_has_bf16_dot_product():
+            assert torch.equal(e, c)
+        else:
+            _assert_same_gemm_up_to_summation_order(e, c)
     # db is a float32 sum over tokens in no defined order: Inductor's vectorised sum may differ
     # from eager's in the last bits. For the BF16 inputs here the two agree bitwise (a BF16 dy has
     # 8 significant bits, so float32 rounds these sums rarely if at all)
