@@ -12,12 +12,12 @@ Writes to --out: metrics.jsonl (one line per step), metrics.png, checkpoints/ (r
 
 import argparse
 import json
-import logging
 import os
 import sys
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine lives in this process
 
+from jetrl_compile.console import quiet_console
 from jetrl_compile.errors import command_line_errors
 from jetrl_compile.rl.config import add_arguments, config_from_args
 from jetrl_compile.rl.loop import evaluate, train
@@ -28,16 +28,15 @@ def main(argv=None):
     add_arguments(parser)
     parser.add_argument("--debug", action="store_true", help="show the traceback of an error in the flags, data, "
                         "checkpoint or --out (they print one 'error:' line and exit 2 otherwise)")
+    parser.add_argument("--verbose", action="store_true", help="show every library's log records and warnings "
+                        "(vLLM's and transformers' INFO records and known-harmless warnings are hidden otherwise)")
     args = parser.parse_args(argv)
+    quiet_console(verbose=args.verbose)
     with command_line_errors(args.debug):
         run(config_from_args(args))
 
 
 def run(cfg):
-    logging.basicConfig(level=logging.INFO, format="[%(name)s] %(message)s")
-    for noisy in ("vllm", "transformers"):
-        logging.getLogger(noisy).setLevel(logging.WARNING)
-
     if cfg.eval:
         print(json.dumps(evaluate(cfg), indent=2))
         return

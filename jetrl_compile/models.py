@@ -47,7 +47,7 @@ def load_model(name: str = DEFAULT_MODEL, dtype: torch.dtype = torch.bfloat16):
                 f"machine can reach, or leave out --model for the embedded default ({DEFAULT_MODEL})"
             ) from e
     folder, gguf = default_model_path()
-    verbosity = hf_logging.get_verbosity()
+    verbosity, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
     try:
@@ -56,8 +56,9 @@ def load_model(name: str = DEFAULT_MODEL, dtype: torch.dtype = torch.bfloat16):
             folder, gguf_file=gguf, quantization_config=GgufConfig(dequantize=True), dtype=dtype
         )
     finally:
-        hf_logging.set_verbosity(verbosity)
-        hf_logging.enable_progress_bar()
+        hf_logging.set_verbosity(verbosity)  # put back as the application had them
+        if bars:
+            hf_logging.enable_progress_bar()
     return model, tokenizer
 
 

@@ -213,6 +213,8 @@ def _train(cfg: GrpoConfig, ranks: Ranks, found: Path | None, model, tokenizer, 
     report = make_report(cfg.report_to if ranks.main else "none", out)
     engine = _engine(model, tokenizer, cfg, out / (f"engine-rank{ranks.rank}" if ranks.distributed else "engine"),
                      pad, seed=cfg.seed, ranks=ranks)
+    if ranks.main:
+        _log_start(cfg, mode, engine, out)
     bar = _progress(cfg, start) if progress and ranks.main else None
     done = start
     task_state = task.state_dict()
@@ -351,6 +353,15 @@ def _reference_copy(model, cfg: GrpoConfig):
     for p in ref.parameters():
         p.requires_grad_(False)
     return unify(ref, cfg.recipe, mode="eager")
+
+
+def _log_start(cfg: GrpoConfig, trainer_mode: str, engine, out: Path) -> None:
+    """The run in a few lines, before the first step."""
+    from ..runtime.cpu import describe
+
+    log.info("model %s, recipe %s, %s trainer, rollout engine %s", cfg.model, cfg.recipe, trainer_mode, engine.name)
+    log.info(describe())
+    log.info("writing %s: metrics.jsonl, metrics.png, checkpoints/ (resume with --resume)", out)
 
 
 def _progress(cfg: GrpoConfig, start: int):

@@ -214,6 +214,7 @@ class VllmEngine(RolloutEngine):
                 max_num_batched_tokens=self.max_num_batched_tokens,
                 seed=seed,
                 logprobs_mode=logprobs_mode,
+                use_tqdm_on_load=False,  # the export this engine just wrote: a bar per start says nothing
                 **launcher,
             )
         self._exact = None
