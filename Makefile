@@ -14,7 +14,7 @@ STAMP := $(VENV)/.installed-$(subst $(comma),_,$(EXTRAS))
 PIP := $(BIN)/python -m pip install --quiet --disable-pip-version-check
 QUIET_PIP := 2>&1 | { grep -v "is ignored: it is neither a file nor a directory" || true; }
 
-.PHONY: venv test test-all demo bench bench-full clean
+.PHONY: venv test test-avx2 test-all demo bench bench-full clean
 
 venv: $(STAMP)
 
@@ -32,6 +32,11 @@ $(STAMP): pyproject.toml
 test: venv
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest
+
+# The suite as on an AVX2-only x86 CPU (no AVX-512, no AMX), on any x86 machine: ISA caps for
+# torch and oneDNN, and vLLM's own CPU probes answered as such a CPU would (tests/cpu_kind.py).
+test-avx2: venv
+	JETRL_TEST_CPU=avx2 $(BIN)/python -m pytest
 
 test-all: venv
 	$(BIN)/python -m pytest -m "not cuda"

@@ -23,6 +23,7 @@ from pathlib import Path
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
+from jetrl_compile.console import quiet_console
 from jetrl_compile.errors import UsageValueError, command_line_errors
 from jetrl_compile.recipes import RECIPES
 from jetrl_compile.rl.checkpoint import latest_checkpoint
@@ -94,6 +95,7 @@ def main(argv=None):
     parser.add_argument("--seeds", nargs="+", type=int, help="seeds per flow (default: --seed)")
     parser.add_argument("--debug", action="store_true", help="show the traceback of an error in the flags, data, "
                         "checkpoint or --out")
+    parser.add_argument("--verbose", action="store_true", help="show every library's log records and warnings")
     args = parser.parse_args(argv)
     with command_line_errors(args.debug):
         compare(args)
@@ -123,4 +125,6 @@ def compare(args):
 
 
 if __name__ == "__main__":
+    # the program's console, set before anything logs (tests call main() and keep their own)
+    quiet_console(verbose="--verbose" in sys.argv[1:])
     sys.exit(main())

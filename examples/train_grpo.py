@@ -31,7 +31,6 @@ def main(argv=None):
     parser.add_argument("--verbose", action="store_true", help="show every library's log records and warnings "
                         "(vLLM's and transformers' INFO records and known-harmless warnings are hidden otherwise)")
     args = parser.parse_args(argv)
-    quiet_console(verbose=args.verbose)
     with command_line_errors(args.debug):
         run(config_from_args(args))
 
@@ -50,4 +49,6 @@ def run(cfg):
 
 
 if __name__ == "__main__":
+    # the program's console, set before anything logs (tests call main() and keep their own)
+    quiet_console(verbose="--verbose" in sys.argv[1:])
     sys.exit(main())

@@ -25,6 +25,7 @@ warnings.filterwarnings("ignore", message="TRL currently supports vLLM versions"
 import torch  # noqa: E402
 
 import jetrl_compile  # noqa: E402
+from jetrl_compile.console import quiet_console  # noqa: E402
 from jetrl_compile.errors import command_line_errors  # noqa: E402
 from jetrl_compile.recipes import RECIPES  # noqa: E402
 
@@ -51,6 +52,7 @@ def main(argv=None):
     parser.add_argument("--out", default="runs/trl-grpo")
     parser.add_argument("--report-to", default="none", choices=["none", "tensorboard"])
     parser.add_argument("--debug", action="store_true", help="show the traceback of an error")
+    parser.add_argument("--verbose", action="store_true", help="show every library's log records and warnings")
     args = parser.parse_args(argv)
     with command_line_errors(args.debug):
         run(args)
@@ -94,4 +96,6 @@ def run(args):
 
 
 if __name__ == "__main__":
+    # the program's console, set before anything logs (tests call main() and keep their own)
+    quiet_console(verbose="--verbose" in sys.argv[1:])
     sys.exit(main())

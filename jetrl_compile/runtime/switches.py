@@ -1,6 +1,6 @@
 """Every ``JETRL_*`` environment switch, in one place, read when used (nothing cached: set one
 and the next call sees it; under torch.compile a switch is read when a graph is traced, so a
-compiled graph keeps the value it was traced with). The README's switches table lists them.
+compiled graph keeps the value it was traced with). The switches table of docs/numerics.md lists them.
 """
 
 from __future__ import annotations
