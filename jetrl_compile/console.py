@@ -33,6 +33,9 @@ KNOWN_HARMLESS = (
     r"Reset SSM cache type to float32",
     r"Model Runner V2 requires Triton",
     r"(libtcmalloc|libiomp) is not found in LD_PRELOAD",
+    # vLLM's CPU worker sets VLLM_DIST_IDENT itself, and its own check of the environment does not
+    # know it: every later engine start in the process (or in a child that inherits it) warns
+    r"Unknown vLLM environment variable detected: VLLM_DIST_IDENT$",
     # vLLM's CPU backend, at every generate and weight reload
     r"CPU backend doesn't allow to use `torch\.set_num_threads`",
     r"RotaryEmbedding: Failed to load weights",  # rotary tables are computed, not loaded
