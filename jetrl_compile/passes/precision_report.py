@@ -24,15 +24,17 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
-from ..runtime import kernels  # noqa: F401 - registers torch.ops.jetrl.gemm_fp32
+from ..runtime import kernels  # noqa: F401 - registers torch.ops.jetrl.gemm_fp32 and fp8_gemm_triton
 
 # GEMM ops and the positions of their two operands. ``jetrl.gemm_fp32`` is the ``fp32`` path of
 # ``kernels.bf16_gemm``: it takes the BF16-valued operands and upcasts them inside.
+# ``jetrl.fp8_gemm_triton`` is the Triton FP8 kernel: (a payload, its scales, b payload, ...).
 _GEMM_OPS = {
     torch.ops.aten.mm.default: (0, 1),
     torch.ops.aten.addmm.default: (1, 2),
     torch.ops.aten.bmm.default: (0, 1),
     torch.ops.jetrl.gemm_fp32.default: (0, 1),
+    torch.ops.jetrl.fp8_gemm_triton.default: (0, 2),
 }
 # Ops a GEMM operand may pass through between the FP8 payload and the matmul (dequantize,
 # layout changes). Anything else ends the search, so an FP8 GEMM upstream cannot leak into the

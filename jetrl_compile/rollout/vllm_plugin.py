@@ -7,11 +7,12 @@ method in its ``quantization_config``; vLLM then builds each linear with ``Jetrl
 - FP8 rollout recipes: ``weight`` is the trainer's float8_e4m3fn payload and ``weight_scale`` its
   power-of-two block scales, stored here one row per weight row (``BlockScaleRows``) so that any
   fused shard (qkv, gate_up) and any tensor-parallel split of the rows lands on the right scales.
-  ``apply`` calls ``fp8_linear``, the op the compiler pass puts in the trainer:
-  activations quantized in 1 x 128 groups, one GEMM (``kernels.bf16_gemm``) of the exactly
-  dequantized operands. The dequantized weight (in the BF16 GEMM path's operand dtype) is made
-  once per load (``process_weights_after_loading``, which vLLM reruns on every in-place reload),
-  not per token.
+  ``apply`` calls ``fp8_linear``, the op the compiler pass puts in the trainer: activations
+  quantized in 1 x 128 groups, then the FP8 GEMM the trainer runs on this device
+  (``kernels.fp8_kernel``). On a GPU that is the Triton kernel on the FP8 payload and these scales:
+  the engine holds no BF16 copy of the weights. Where the GEMM is the emulation (CPU), the
+  dequantized weight (in the BF16 GEMM path's operand dtype) is made once per load
+  (``process_weights_after_loading``, which vLLM reruns on every in-place reload), not per token.
 - BF16 rollout recipes: a BF16 ``weight`` and the same op with a BF16 forward.
 - Exact mode (``set_exact``, turned on by ``rollout.vllm_exact`` for an exact-mode trainer): the
   same op with ``exact=`` the weight's fixed-point operand, remade on every load as well.
@@ -29,7 +30,7 @@ from torch.nn import Parameter
 from ..runtime import invariant
 from ..runtime.format import FP8_DTYPE, GROUP
 from ..runtime.fp8_linear import fp8_linear
-from ..runtime.kernels import gemm_operand_dtype
+from ..runtime.kernels import gemm_operand_dtype, uses_emulation
 from ..runtime.quantize import dequantize
 from ._vllm_compat import plugin_api
 from .export import METHOD, is_power_of_two
@@ -246,9 +247,11 @@ class JetrlLinearMethod(LinearMethodBase):
                 raise ValueError(
                     f"{self.prefix}.{name} was not (fully) loaded: the checkpoint lacks it or one of its shards; {_FIX}"
                 )
-        if self.fp8:
+        if self.fp8 and uses_emulation(layer.weight.device):
             deq = dequantize(layer.weight.data, layer.weight_scale.data, gemm_operand_dtype(layer.weight.device))
             layer.register_parameter("weight_dequantized", Parameter(deq, requires_grad=False))
+        elif hasattr(layer, "weight_dequantized"):  # the kernel changed since the last load
+            del layer.weight_dequantized
         self._make_fixed(layer)
 
     def set_exact(self, layer: torch.nn.Module, exact: bool) -> None:
@@ -272,7 +275,8 @@ class JetrlLinearMethod(LinearMethodBase):
             return fp8_linear(
                 x, layer.weight, bias, None, None, fprop="bf16", dgrad="bf16", wgrad="bf16", exact=exact
             )
-        deq = layer.weight_dequantized
+        deq = getattr(layer, "weight_dequantized", None)  # the emulation's operand; None for a real FP8 GEMM
         return fp8_linear(
-            x, deq, bias, layer.weight, layer.weight_scale, deq, fprop="fp8", dgrad="bf16", wgrad="bf16", exact=exact
+            x, layer.weight if deq is None else deq, bias, layer.weight, layer.weight_scale, deq,
+            fprop="fp8", dgrad="bf16", wgrad="bf16", exact=exact,
         )

@@ -19,23 +19,27 @@ process call the same function, so they always take the same path and stay bitwi
 
 **FP8 GEMMs.** ``fp8_gemm(a, b)`` returns ``bf16(deq(a) @ deq(b)^T)`` with float32 accumulation, where ``a`` is an
 ``(M, K)`` payload in 1 x 128 groups along K and ``b`` an ``(N, K)`` payload in 128 x 128 blocks or
-1 x 128 groups along K (see ``quantize.dequantize``).
+1 x 128 groups along K (see ``quantize.dequantize``). ``fp8_kernel(device)`` picks the kernel,
+or ``JETRL_FP8_KERNEL`` forces it:
 
-- **Emulation** (CPU, and any device without FP8 tensor cores): dequantize both operands
-  (exact, because scales are powers of two) and run ``bf16_gemm`` on them, dequantizing straight
-  into the path's operand dtype (``gemm_operand_dtype``). Under torch.compile, Inductor fuses
-  the dequantize into the loops that feed the matmul. This is not ``torch._scaled_mm``: on CPU that is
-  a scalar reference loop (docs/design.md, pitfall 3).
-- **CUDA sm90** with cuBLAS blockwise scaling (``torch.nn.functional.scaled_mm``, or
-  ``torch._scaled_mm`` where torch has no ``F.scaled_mm``): a real FP8 tensor-core GEMM for
-  ``b`` in 128 x 128 blocks (fprop, dgrad) or in 1 x 128 groups (wgrad), when K and N are
-  multiples of 128. Off unless ``JETRL_FP8_KERNEL=scaled_mm`` until it has been
-  checked against the emulation on an H200 (``bench/gpu.sh`` does); other shapes and devices use
-  the emulation.
+- ``"triton"``, the default on a CUDA GPU with FP8 tensor cores (sm89 and later) where Triton is
+  installed: our Triton kernel (``triton_fp8``), real FP8 MMAs on the payloads and our scales, one
+  fixed tile configuration, so batch-invariant. Forced on CPU tensors it runs under Triton's
+  interpreter (``TRITON_INTERPRET=1``), which is how the default suite tests the GPU path.
+- ``"emulate"``, the default everywhere else (CPU, older GPUs): dequantize both operands (exact,
+  because scales are powers of two) and run ``bf16_gemm`` on them, dequantizing straight into the
+  path's operand dtype (``gemm_operand_dtype``). Under torch.compile, Inductor fuses the dequantize
+  into the loops that feed the matmul. This is not ``torch._scaled_mm``: on CPU that is a scalar
+  reference loop (docs/design.md, pitfall 3). It is also the reference the kernels are tested against.
+- ``"scaled_mm"`` (forced only): cuBLAS blockwise scaling (``torch.nn.functional.scaled_mm``, or
+  ``torch._scaled_mm`` where torch has no ``F.scaled_mm``) on sm90, where K and N are multiples of
+  128; other shapes take the Triton kernel. Not batch-invariant (cuBLAS picks its algorithm by shape).
 """
 
 from __future__ import annotations
 
+import functools
+import importlib.util
 import platform
 
 import torch
@@ -116,20 +120,39 @@ def _(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None) -> torch.Tens
     return a.new_empty((a.shape[0], b.shape[0]), dtype=BF16)
 
 
+@torch.library.custom_op("jetrl::fp8_gemm_triton", mutates_args=())
+def _fp8_gemm_triton(
+    a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """The ``triton`` kernel of ``fp8_gemm`` as one opaque op (``triton_fp8.launch``): the same
+    launch eagerly, in compiled graphs and in vLLM. Triton is imported on the first call."""
+    from . import triton_fp8
+
+    return triton_fp8.launch(a, a_scale, b, b_scale, bias)
+
+
+@_fp8_gemm_triton.register_fake
+def _(a, a_scale, b, b_scale, bias):
+    return a.new_empty((a.shape[0], b.shape[0]), dtype=BF16)
+
+
 def fp8_gemm(
     a: Quantized, b: Quantized, bias: torch.Tensor | None = None, b_dequantized: torch.Tensor | None = None
 ) -> torch.Tensor:
     """``bf16(deq(a) @ deq(b)^T + bias)``, the GEMM definition (module docstring).
 
-    ``bias`` (BF16) is added to the float32 accumulator before the one rounding to BF16 (the
-    CUDA kernel adds it to the BF16 result, within the summation-order tolerance its check uses).
+    ``bias`` (BF16) is added to the float32 accumulator before the one rounding to BF16 (cuBLAS's
+    ``scaled_mm`` adds it to the BF16 result, within the summation-order tolerance its check uses).
     ``b_dequantized``, when given, is ``dequantize(*b)`` made earlier (the weight cache keeps it
     per optimizer step, in ``gemm_operand_dtype``); the emulation then skips dequantizing the
-    weight on every call.
+    weight on every call. The real kernels ignore it.
     """
-    if _use_cuda_blockwise(a.data, b):
+    kernel = fp8_kernel(a.data.device)
+    if kernel == "scaled_mm" and _scaled_mm_fits(a.data, b):
         y = _scaled_mm_blockwise(a, b)
         return y if bias is None else y + bias
+    if kernel != "emulate":
+        return torch.ops.jetrl.fp8_gemm_triton(a.data, a.scale, b.data, b.scale, bias)
     dtype = gemm_operand_dtype(a.data.device)
     b_deq = dequantize(*b, dtype) if b_dequantized is None else b_dequantized
     return bf16_gemm(dequantize(*a, dtype), b_deq, bias)
@@ -148,23 +171,45 @@ def fp8_gemm_quantizing(
     dequantize for the emulation (``fake_quantize_groupwise``), alone before a real FP8 GEMM.
     Same result, bit for bit. ``along_tokens``: ``x``'s last dim is the token count (the wgrad's
     ``dy^T``), see ``fake_quantize_groupwise``."""
-    if b_dequantized is not None and not _use_cuda_blockwise(x, b):
+    if b_dequantized is not None and uses_emulation(x.device):
         x_deq = fake_quantize_groupwise(x, gemm_operand_dtype(x.device), along_tokens=along_tokens)
         return bf16_gemm(x_deq, b_dequantized, bias)
     return fp8_gemm(fused_quantize_groupwise(x, along_tokens=along_tokens), b, bias, b_dequantized)
 
 
-def uses_emulation(device: torch.device | str) -> bool:
-    """Whether fprop GEMMs on ``device`` run the emulation (and so can use a dequantized weight)."""
+def fp8_kernel(device: torch.device | str) -> str:
+    """Which FP8 GEMM runs on ``device``: ``"triton"``, ``"emulate"`` or ``"scaled_mm"`` (module
+    docstring). ``JETRL_FP8_KERNEL`` forces one; ``auto`` (the default) takes the Triton kernel on
+    a CUDA GPU with FP8 tensor cores where Triton is installed, the emulation elsewhere. Read when
+    a GEMM runs eagerly and when a graph is traced, as ``bf16_gemm_path`` is."""
+    forced = switches.fp8_kernel()
     device = torch.device(device)
-    return not (device.type == "cuda" and _cuda_blockwise_enabled(device.index or 0))
+    if forced == "scaled_mm" and not (device.type == "cuda" and cuda_capability(device.index or 0)[0] == 9):
+        raise ValueError(
+            f"JETRL_FP8_KERNEL=scaled_mm: cuBLAS blockwise scaling runs on sm90 GPUs only, not on {device}; "
+            "unset it for the default kernel"
+        )
+    if forced != "auto":
+        return forced
+    if device.type == "cuda" and cuda_capability(device.index or 0) >= (8, 9) and triton_installed():
+        return "triton"
+    return "emulate"
+
+
+def uses_emulation(device: torch.device | str) -> bool:
+    """Whether FP8 GEMMs on ``device`` run the emulation (and so use a dequantized weight)."""
+    return fp8_kernel(device) == "emulate"
 
 
 def kernel_name(device: torch.device | str) -> str:
-    """Which kernel ``fp8_gemm`` uses for fprop-layout operands on ``device`` (for reports)."""
-    if not uses_emulation(device):
-        return "cuda-scaled_mm-blockwise"
-    return f"emulated (dequantize + {bf16_gemm_name(device)})"
+    """The FP8 GEMM ``fp8_gemm`` runs on ``device``, in words (precision reports, benchmark tables)."""
+    kernel = fp8_kernel(device)
+    if kernel == "emulate":
+        return f"emulated (dequantize + {bf16_gemm_name(device)})"
+    if kernel == "scaled_mm":
+        return "cuBLAS blockwise scaled_mm (K, N multiples of 128; else the Triton kernel)"
+    where = "Triton interpreter" if torch.device(device).type == "cpu" else "tensor cores"
+    return f"triton fp8 GEMM ({where})"
 
 
 def bf16_gemm_name(device: torch.device | str) -> str:
@@ -174,17 +219,25 @@ def bf16_gemm_name(device: torch.device | str) -> str:
     return "native bf16 matmul"
 
 
-def _cuda_blockwise_enabled(device_index: int) -> bool:
-    if switches.fp8_kernel() != "scaled_mm" or not torch.cuda.is_available():
-        return False
-    # cuBLAS's 1x128 / 128x128 scaling exists for sm90 only (and cuBLAS 12.9+).
-    return torch.cuda.get_device_capability(device_index)[0] == 9
+@torch.compiler.assume_constant_result
+def cuda_capability(index: int) -> tuple[int, int]:
+    """``torch.cuda.get_device_capability(index)``, a constant for Dynamo when it traces a GEMM."""
+    return _cuda_capability(index)
 
 
-def _use_cuda_blockwise(a: torch.Tensor, b: Quantized) -> bool:
-    """Whether the real kernel takes ``a`` (the (M, K) activation or its payload) times ``b``."""
-    if a.device.type != "cuda" or not _cuda_blockwise_enabled(a.device.index or 0):
-        return False
+@functools.cache
+def _cuda_capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+@torch.compiler.assume_constant_result
+def triton_installed() -> bool:
+    """Whether Triton can be imported (CUDA torch brings it; the CPU install adds it for tests)."""
+    return importlib.util.find_spec("triton") is not None
+
+
+def _scaled_mm_fits(a: torch.Tensor, b: Quantized) -> bool:
+    """Whether cuBLAS's blockwise kernel takes ``a`` (the (M, K) payload) times ``b``."""
     k, n = a.shape[1], b.data.shape[0]
     b_layout_ok = tuple(b.scale.shape) in (block_scale_shape(b.data.shape), (n, k // GROUP))
     return b_layout_ok and k % GROUP == 0 and n % GROUP == 0

@@ -16,7 +16,7 @@ DUMP = "JETRL_DUMP"
 DUMP_DIR = "JETRL_DUMP_DIR"
 
 BF16_GEMM_CHOICES = ("auto", "native", "fp32")
-FP8_KERNEL_CHOICES = ("emulate", "scaled_mm")
+FP8_KERNEL_CHOICES = ("auto", "emulate", "triton", "scaled_mm")
 
 
 def _choice(name: str, default: str, choices: tuple[str, ...]) -> str:
@@ -43,8 +43,10 @@ def bf16_gemm() -> str:
 
 
 def fp8_kernel() -> str:
-    """``emulate`` (default) or ``scaled_mm``: the real CUDA blockwise FP8 GEMM on sm90."""
-    return _choice(FP8_KERNEL, "emulate", FP8_KERNEL_CHOICES)
+    """``auto`` (default: Triton's tensor-core GEMM on a CUDA GPU with FP8, the emulation
+    elsewhere), ``emulate``, ``triton`` (on CPU tensors under ``TRITON_INTERPRET=1``) or
+    ``scaled_mm`` (cuBLAS blockwise on sm90): how FP8 GEMMs run (``kernels.fp8_kernel``)."""
+    return _choice(FP8_KERNEL, "auto", FP8_KERNEL_CHOICES)
 
 
 def fused_quantize() -> bool:

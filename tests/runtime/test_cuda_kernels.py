@@ -1,4 +1,5 @@
-"""CUDA kernels against the CPU emulation. Run on a GPU machine with ``pytest -m cuda``."""
+"""CUDA kernels against the CPU emulation. Run on a GPU machine with ``pytest -m cuda``; the default
+suite runs the Triton kernel on CPU under Triton's interpreter (``test_triton_fp8.py``)."""
 
 import pytest
 import torch
@@ -12,12 +13,6 @@ pytestmark = [
 ]
 
 
-@pytest.fixture
-def scaled_mm_enabled(monkeypatch):
-    monkeypatch.setenv("JETRL_FP8_KERNEL", "scaled_mm")
-    return kernels._cuda_blockwise_enabled(torch.cuda.current_device())
-
-
 def _operands(layout, x, w, dy):
     """fp8_gemm's (a, b) as fp8_linear builds them for each GEMM of a linear layer."""
     if layout == "fprop":
@@ -28,17 +23,41 @@ def _operands(layout, x, w, dy):
     return quantize_groupwise(dy.t()), quantize_groupwise(x.t())
 
 
-@pytest.mark.parametrize("layout", ["fprop", "dgrad", "wgrad"])
-@pytest.mark.parametrize("m,k,n", [(128, 512, 256), (4096, 4096, 14336)])
-def test_blockwise_scaled_mm_matches_emulation_within_summation_error(scaled_mm_enabled, layout, m, k, n):
-    if not scaled_mm_enabled:
-        pytest.skip("cuBLAS blockwise scaling needs sm90")
+def _inputs(m, k, n):
     torch.manual_seed(0)
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(n, k, device="cuda") * k**-0.5
     dy = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
-    a, b = _operands(layout, x, w, dy)
-    assert kernels._use_cuda_blockwise(a.data, b)
+    return x, w, dy
+
+
+@pytest.mark.parametrize("layout", ["fprop", "dgrad", "wgrad"])
+@pytest.mark.parametrize("m,k,n", [(128, 576, 192), (4096, 4096, 14336)])
+def test_the_default_kernel_is_triton_and_computes_the_gemm_definition(layout, m, k, n):
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("FP8 tensor cores need sm89 or later")
+    assert kernels.fp8_kernel("cuda") == "triton"
+    a, b = _operands(layout, *_inputs(m, k, n))
+    y = kernels.fp8_gemm(a, b)
+    assert_within_gemm_definition(y, dequantize(*a).double(), dequantize(*b).double())
+
+
+def test_the_triton_kernel_gives_each_row_the_same_bits_whatever_the_batch():
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("FP8 tensor cores need sm89 or later")
+    a, b = _operands("fprop", *_inputs(1000, 4096, 4096))
+    full = kernels.fp8_gemm(a, b)
+    for rows in (slice(0, 1), slice(7, 8), slice(100, 164), slice(999, 1000)):
+        assert torch.equal(kernels.fp8_gemm(Quantized(a.data[rows], a.scale[rows]), b), full[rows])
+
+
+@pytest.mark.parametrize("layout", ["fprop", "dgrad", "wgrad"])
+def test_blockwise_scaled_mm_matches_emulation_within_summation_error(layout, monkeypatch):
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("cuBLAS blockwise scaling needs sm90")
+    monkeypatch.setenv("JETRL_FP8_KERNEL", "scaled_mm")
+    a, b = _operands(layout, *_inputs(4096, 4096, 14336))
+    assert kernels._scaled_mm_fits(a.data, b)
     y = kernels.fp8_gemm(a, b)
     assert_within_gemm_definition(y, dequantize(*a).double(), dequantize(*b).double())
 
