@@ -121,7 +121,9 @@ def _check(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: tor
     (m, k), n = a.shape, b.shape[0]
     groups = -(-k // GROUP)
     if tuple(a_scale.shape) != (m, groups):
-        raise ValueError(f"fp8_gemm_triton: a's scales {tuple(a_scale.shape)} are not 1 x {GROUP} groups ({m}, {groups})")
+        raise ValueError(
+            f"fp8_gemm_triton: a's scales {tuple(a_scale.shape)} are not 1 x {GROUP} groups ({m}, {groups})"
+        )
     blocks = tuple(b_scale.shape) == block_scale_shape((n, k))
     if not blocks and tuple(b_scale.shape) != (n, groups):
         raise ValueError(

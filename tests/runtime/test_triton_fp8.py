@@ -10,8 +10,15 @@ import torch
 import triton  # noqa: F401 - the install must have it
 
 import jetrl_compile
-from jetrl_compile.runtime import Quantized, dequantize, fp8_linear, kernels, quantize_blockwise, quantize_groupwise
-from jetrl_compile.runtime import triton_fp8
+from jetrl_compile.runtime import (
+    Quantized,
+    dequantize,
+    fp8_linear,
+    kernels,
+    quantize_blockwise,
+    quantize_groupwise,
+    triton_fp8,
+)
 from jetrl_compile.runtime.fp8_linear import FP8_BACKWARD_INDUCTOR_OPTIONS
 from tests.conftest import assert_within_gemm_definition, tiny_model
 
@@ -152,7 +159,8 @@ def test_the_default_kernel_on_each_device(monkeypatch):
     monkeypatch.setenv("JETRL_FP8_KERNEL", "emulate")
     assert kernels.fp8_kernel("cuda:0") == "emulate" and kernels.uses_emulation("cuda:0")
     monkeypatch.setenv("JETRL_FP8_KERNEL", "triton")
-    assert kernels.fp8_kernel("cpu") == "triton" and kernels.kernel_name("cpu") == "triton fp8 GEMM (Triton interpreter)"
+    assert kernels.fp8_kernel("cpu") == "triton"
+    assert kernels.kernel_name("cpu") == "triton fp8 GEMM (Triton interpreter)"
     monkeypatch.setenv("JETRL_FP8_KERNEL", "scaled_mm")
     assert kernels.fp8_kernel("cuda:0") == "scaled_mm"
     with pytest.raises(ValueError, match="JETRL_FP8_KERNEL=scaled_mm: cuBLAS blockwise scaling runs on sm90"):
