@@ -236,10 +236,11 @@ def _patch_linears_eager(
         def forward(x, module=module):
             q, s = cache.get(module.weight) if needs_q else (None, None)
             deq = None
-            if exact:
+            if exact:  # a real FP8 kernel is batch-invariant itself: no fixed-point operand (fp8_linear)
+                real_kernel = recipe.fprop.is_fp8 and not uses_emulation(module.weight.device)
                 return fp8_linear(
                     x, module.weight, module.bias, q, s, None, fprop=recipe.fprop.dtype, dgrad=recipe.dgrad.dtype,
-                    wgrad=recipe.wgrad.dtype, exact=cache.get_fixed(module.weight, fixed_kind),
+                    wgrad=recipe.wgrad.dtype, exact=True if real_kernel else cache.get_fixed(module.weight, fixed_kind),
                 )
             if recipe.fprop.is_fp8 and uses_emulation(module.weight.device):
                 deq = cache.get_dequantized(module.weight, gemm_operand_dtype(module.weight.device))

@@ -32,10 +32,10 @@ def _prompts(seed=1):
     return [torch.randint(1, 256, (n,), generator=g).tolist() for n in PROMPT_LENGTHS]
 
 
-def _sample_and_recompute(model, n=4, seed=3):
+def _sample_and_recompute(model, n=4, seed=3, new_tokens=NEW_TOKENS):
     """(engine logprobs, trainer logprobs), flat over every sampled token."""
     engine = HfEngine(model, eos_token_id=10_000, pad_token_id=0)  # an EOS never sampled: 48 tokens each
-    groups = engine.generate(_prompts(), n=n, max_new_tokens=NEW_TOKENS, temperature=1.0, seed=seed)
+    groups = engine.generate(_prompts(), n=n, max_new_tokens=new_tokens, temperature=1.0, seed=seed)
     with torch.no_grad():
         trainer = group_logprobs(model, _prompts(), [[c.token_ids for c in g] for g in groups])
     rollout = torch.tensor([x for g in groups for c in g for x in c.logprobs])
@@ -49,6 +49,20 @@ def test_sampled_logprobs_are_the_trainers_bit_for_bit(recipe, dtype):
     rollout, trainer = _sample_and_recompute(model)
     assert rollout.numel() == len(PROMPT_LENGTHS) * 4 * NEW_TOKENS
     assert torch.equal(rollout, trainer), f"{(rollout != trainer).sum()} of {rollout.numel()} tokens differ"
+
+
+def test_on_the_gpus_fp8_kernel_exact_mode_needs_no_float64_gemm(monkeypatch):
+    """With the Triton FP8 kernel (a GPU's default; here under Triton's interpreter), exact mode
+    multiplies quantized linears with that kernel, batch-invariant by construction, instead of
+    float64 fixed-point operands: still bit for bit, and no float64 copy of a weight is made."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setenv("JETRL_FP8_KERNEL", "triton")
+    model = jetrl_compile.unify(tiny_model(layers=2, attn_implementation="sdpa").eval(), "jetrl", exact=True)
+    rollout, trainer = _sample_and_recompute(model, n=2, new_tokens=16)  # the interpreter is slow: 1,000 GEMMs
+    assert rollout.numel() == len(PROMPT_LENGTHS) * 2 * 16
+    assert torch.equal(rollout, trainer), f"{(rollout != trainer).sum()} of {rollout.numel()} tokens differ"
+    cache = jetrl_compile.unified_state(model).cache
+    assert {kind for _, kind in cache._fixed} == {"raw"}, "only lm_head's operand (unquantized) is fixed-point"
 
 
 def test_qwen2_with_biases_is_exact_too():

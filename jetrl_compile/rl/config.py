@@ -6,6 +6,8 @@ import argparse
 import dataclasses
 from dataclasses import dataclass, field
 
+import torch
+
 from ..errors import UsageValueError
 from ..fsdp import recipe_gathers_fp8
 from ..models import DEFAULT_MODEL
@@ -15,6 +17,7 @@ from .parallel import PARALLEL
 from .report import REPORTS
 
 TRAINER_MODES = ("auto", "compile", "eager")
+DEVICES = ("auto", "cpu", "cuda")
 # what a checkpoint written before a run-defining setting existed was run with, where that is not
 # today's default: the driver's trainer was eager before "auto" made it compiled
 LEGACY_RUN_DEFINING = {"trainer_mode": "eager"}
@@ -45,6 +48,8 @@ class GrpoConfig:
     trainer_mode: str = "auto"
     exact: bool = False
     parallel: str = "none"
+    device: str = "auto"
+    vllm_memory: float = 0.3
     out: str = "runs/grpo"
     report_to: str = "none"
     eval_every: int = 0
@@ -66,6 +71,16 @@ class GrpoConfig:
         if self.trainer_mode not in TRAINER_MODES:
             modes = ", ".join(TRAINER_MODES)
             raise UsageValueError(f"trainer_mode {self.trainer_mode!r} is unknown; choose one of {modes}")
+        if self.device not in DEVICES:
+            raise UsageValueError(f"--device {self.device!r} is unknown; choose one of {', '.join(DEVICES)}")
+        if self.device == "cuda" and not torch.cuda.is_available():
+            raise UsageValueError(
+                "--device cuda: this torch sees no CUDA GPU (torch.cuda.is_available() is False); "
+                "drop --device for the CPU, or install a CUDA build of torch (make venv TORCH_SPEC=torch "
+                "EXTRAS=vllm,test,examples,trl)"
+            )
+        if not 0.0 < self.vllm_memory <= 1.0:
+            raise UsageValueError(f"--vllm-memory {self.vllm_memory} is a share of the GPU's memory: 0 < share <= 1")
         if self.exact and self.trainer_mode == "compile":
             raise UsageValueError("--exact runs the trainer eagerly (Inductor's fused kernels do not keep exact mode's "
                              "numerics); drop --trainer-mode compile")
@@ -78,6 +93,12 @@ class GrpoConfig:
             return self.trainer_mode
         fp8_gather = self.parallel == "fsdp" and recipe_gathers_fp8(get_recipe(self.recipe))
         return "eager" if self.exact or fp8_gather else "compile"
+
+    def resolved_device(self) -> str:
+        """``device`` with ``auto`` decided: ``cuda`` where torch sees a GPU, else ``cpu``."""
+        if self.device != "auto":
+            return self.device
+        return "cuda" if torch.cuda.is_available() else "cpu"
 
     def correction(self) -> RolloutCorrection:
         return RolloutCorrection(self.rollout_correction, self.correction_level, self.is_clip, self.is_low)
@@ -125,6 +146,10 @@ HELP = {
                 "sharded; with --recipe jetrl and the eager trainer it gathers weights as FP8 blocks); each rank "
                 "samples its share of the prompts with its own engine (a vLLM per rank in the torchrun world, or "
                 "hf) and trains on it (torchrun --nproc-per-node N)",
+    "device": "where the trainer runs: cuda (one GPU per process, the rank's own under torchrun; NCCL between "
+              "ranks; FP8 GEMMs on tensor cores), cpu, or auto: cuda where torch sees a GPU",
+    "vllm_memory": "share of the GPU's memory the colocated vLLM engine may take for its weights, activations and "
+                   "KV cache (the trainer keeps the rest); unused on CPU",
     "out": "output folder: metrics.jsonl, metrics.png, checkpoints/",
     "report_to": "also log every step's metrics to: none, or tensorboard (event files in --out/tensorboard)",
     "eval_every": "every N steps, greedy accuracy on --limit held-out problems, logged as eval_accuracy (0: off)",
@@ -164,6 +189,8 @@ def add_arguments(parser: argparse.ArgumentParser, defaults: GrpoConfig | None =
             kwargs["choices"] = list(TRAINER_MODES)
         elif f.name == "parallel":
             kwargs["choices"] = list(PARALLEL)
+        elif f.name == "device":
+            kwargs["choices"] = list(DEVICES)
         parser.add_argument(flag, **kwargs)
 
 

@@ -135,7 +135,7 @@ def policy_update(model, optimizer, prompts, groups, advantages: torch.Tensor, c
         (parts.loss_sum * ranks.world / total_tokens).backward()
         loss_sum += parts.loss_sum.item()
         clipped += parts.clipped
-        new_all += [n.detach() for n in new]
+        new_all += [n.detach().cpu() for n in new]  # gathered across ranks as objects; small
         old_all += old
         where += [(ranks.rank * len(prompts) + i, j) for i, row in zip(mb, kept) for j, _ in row]
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_GRAD_NORM)
@@ -155,7 +155,7 @@ def policy_update(model, optimizer, prompts, groups, advantages: torch.Tensor, c
 def _first_difference(rollout, trainer, where) -> tuple[int, int, int] | None:
     """(prompt, sample, token) of the first sampled token whose two logprobs are not bitwise equal."""
     for (i, j), a, b in zip(where, rollout, trainer):
-        differs = (a.float() != b.float()).nonzero()
+        differs = (a.float().cpu() != b.float().cpu()).nonzero()
         if len(differs):
             return i, j, int(differs[0])
     return None
@@ -173,7 +173,7 @@ def train(cfg: GrpoConfig, *, model=None, tokenizer=None, task: Task | None = No
         raise UsageFileExistsError(
             f"{out} already holds a run (checkpoints/); pass --resume to continue it or choose another --out"
         )
-    ranks = parallel.start(cfg.parallel, cfg.batch_size)
+    ranks = parallel.start(cfg.parallel, cfg.batch_size, cfg.resolved_device())
     try:
         return _train(cfg, ranks, found, model, tokenizer, task, progress)
     finally:
@@ -187,7 +187,7 @@ def _train(cfg: GrpoConfig, ranks: Ranks, found: Path | None, model, tokenizer, 
     metrics_path = out / "metrics.jsonl"
     torch.manual_seed(cfg.seed)
     random.seed(cfg.seed)
-    model, tokenizer, task, pad = _setup(cfg, model, tokenizer, task)
+    model, tokenizer, task, pad = _setup(cfg, model, tokenizer, task, ranks.device)
     model.config.use_cache = False
     ref_model = _reference_copy(model, cfg) if cfg.beta else None
     mode = cfg.resolved_trainer_mode()
@@ -207,14 +207,14 @@ def _train(cfg: GrpoConfig, ranks: Ranks, found: Path | None, model, tokenizer, 
     elif ranks.main:
         metrics_path.write_text("")
     if ranks.main:
-        settings = {**cfg.to_dict(), "trainer_mode": mode}  # as it runs, not "auto"
+        settings = {**cfg.to_dict(), "trainer_mode": mode, "device": ranks.device}  # as it runs, not "auto"
         (out / "config.json").write_text(json.dumps(settings, indent=2))
 
     report = make_report(cfg.report_to if ranks.main else "none", out)
     engine = _engine(model, tokenizer, cfg, out / (f"engine-rank{ranks.rank}" if ranks.distributed else "engine"),
                      pad, seed=cfg.seed, ranks=ranks)
     if ranks.main:
-        _log_start(cfg, mode, engine, out)
+        _log_start(cfg, mode, engine, out, ranks.device)
     bar = _progress(cfg, start) if progress and ranks.main else None
     done = start
     task_state = task.state_dict()
@@ -328,13 +328,14 @@ def _truncate_metrics(path: Path, step: int) -> None:
     path.write_text("".join(line + "\n" for line in kept))
 
 
-def _setup(cfg: GrpoConfig, model, tokenizer, task):
+def _setup(cfg: GrpoConfig, model, tokenizer, task, device: str = "cpu"):
     """What training and evaluation both start from: the model with FP32 master weights (every
-    GEMM runs from the recipe's BF16/FP8 copies), its tokenizer, the task and the pad token."""
+    GEMM runs from the recipe's BF16/FP8 copies) on ``device``, its tokenizer, the task and the
+    pad token."""
     task = task or make_task(cfg.task, seed=cfg.seed, data=cfg.data, difficulty=cfg.difficulty)  # bad data: no load
     if model is None:
         model, tokenizer = load_model(cfg.model, dtype=torch.float32)
-    model.float()
+    model.float().to(device)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     return model, tokenizer, task, pad
 
@@ -342,7 +343,7 @@ def _setup(cfg: GrpoConfig, model, tokenizer, task):
 def _engine(model, tokenizer, cfg: GrpoConfig, workdir: Path, pad: int, ranks: Ranks = ONE_PROCESS, **kwargs):
     hf_tokenizer = tokenizer if hasattr(tokenizer, "save_pretrained") else None  # vLLM saves a real one
     # under --parallel, a vLLM engine per rank joins the torchrun world (external_launcher)
-    return make_engine(model, cfg.engine, tokenizer=hf_tokenizer, workdir=workdir,
+    return make_engine(model, cfg.engine, tokenizer=hf_tokenizer, workdir=workdir, gpu_memory=cfg.vllm_memory,
                        eos_token_id=tokenizer.eos_token_id, pad_token_id=pad, **kwargs)
 
 
@@ -355,12 +356,13 @@ def _reference_copy(model, cfg: GrpoConfig):
     return unify(ref, cfg.recipe, mode="eager")
 
 
-def _log_start(cfg: GrpoConfig, trainer_mode: str, engine, out: Path) -> None:
+def _log_start(cfg: GrpoConfig, trainer_mode: str, engine, out: Path, device: str) -> None:
     """The run in a few lines, before the first step."""
     from ..runtime.cpu import describe
 
-    log.info("model %s, recipe %s, %s trainer, rollout engine %s", cfg.model, cfg.recipe, trainer_mode, engine.name)
-    log.info(describe())
+    log.info("model %s, recipe %s, %s trainer on %s, rollout engine %s", cfg.model, cfg.recipe, trainer_mode, device,
+             engine.name)
+    log.info(describe(device))
     log.info("writing %s: metrics.jsonl, metrics.png, checkpoints/ (resume with --resume)", out)
 
 
@@ -382,7 +384,7 @@ def greedy_accuracy(engine, task: Task, tokenizer, cfg: GrpoConfig) -> tuple[flo
 def evaluate(cfg: GrpoConfig, *, model=None, tokenizer=None, task: Task | None = None) -> dict:
     """Greedy accuracy on the task's held-out split (``cfg.limit`` problems), with the latest
     checkpoint in ``cfg.out`` if there is one."""
-    model, tokenizer, task, pad = _setup(cfg, model, tokenizer, task)
+    model, tokenizer, task, pad = _setup(cfg, model, tokenizer, task, cfg.resolved_device())
     path = latest_checkpoint(cfg.out)
     if path is not None:
         model.load_state_dict(load_checkpoint(path, cfg.run_defining())["model"])

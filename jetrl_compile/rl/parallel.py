@@ -2,8 +2,10 @@
 
 Every rank draws the same batch of prompts (the task stream is seeded alike) and keeps its share;
 it samples its share with its own engine, scores it and normalises rewards per group (a group
-never spans ranks), and trains on it. DDP (or FSDP2's reduce-scatter) averages the gradients, so
-each rank's loss is scaled to make the average the token-level mean over the whole batch. Under
+never spans ranks), and trains on it. On GPUs (``--device cuda``) each rank trains on the GPU of
+its local rank, with its own vLLM engine there, and the ranks talk over NCCL; on the CPU, gloo.
+DDP (or FSDP2's reduce-scatter) averages the gradients, so each rank's loss is scaled to make the
+average the token-level mean over the whole batch. Under
 FSDP2 every forward is a collective, so whatever runs the model runs on every rank, in step
 (generation included). Rank 0 alone writes metrics, plots and checkpoints; metrics are computed
 over the whole batch (every rank's completions and logprobs are gathered to it), and a
@@ -13,6 +15,7 @@ bit for bit.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -34,6 +37,7 @@ class Ranks:
     rank: int = 0
     world: int = 1
     owns_group: bool = False  # ``start`` created the process group (``stop`` then destroys it)
+    device: str = "cpu"  # where this rank trains: ``cpu`` or its GPU, ``cuda:<local rank>``
 
     @property
     def main(self) -> bool:
@@ -60,7 +64,7 @@ class Ranks:
         """The sum of ``value`` over the ranks."""
         if not self.distributed:
             return value
-        t = torch.tensor([value], dtype=torch.float64)
+        t = torch.tensor([value], dtype=torch.float64, device=self.device)  # NCCL reduces GPU tensors only
         dist.all_reduce(t)
         return t.item()
 
@@ -68,13 +72,15 @@ class Ranks:
 ONE_PROCESS = Ranks()
 
 
-def start(kind: str, batch_size: int) -> Ranks:
-    """Join the ranks torchrun started (its RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT), or stay
-    one process for ``kind="none"``."""
+def start(kind: str, batch_size: int, device: str = "cpu") -> Ranks:
+    """Join the ranks torchrun started (its RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR,
+    MASTER_PORT), or stay one process for ``kind="none"``. ``device`` is ``cpu`` or ``cuda``:
+    on ``cuda`` each rank takes the GPU of its local rank and the ranks talk over NCCL, on the CPU
+    over gloo."""
     if kind not in PARALLEL:
         raise UsageValueError(f"--parallel {kind!r} is unknown; choose one of {', '.join(PARALLEL)}")
     if kind == "none":
-        return ONE_PROCESS
+        return Ranks(device=_own_device(device, local_rank=0))
     world = launcher_world()
     if world is None:
         raise UsageValueError(
@@ -83,10 +89,29 @@ def start(kind: str, batch_size: int) -> Ranks:
         )
     if batch_size % world:
         raise UsageValueError(f"--batch-size {batch_size} must divide evenly over {world} ranks")
+    own = _own_device(device, local_rank=int(os.environ.get("LOCAL_RANK", "0")))
     owns = not dist.is_initialized()
-    if owns:  # the driver's trainer runs on CPU (its tensors and collectives), hence gloo
-        dist.init_process_group("gloo")
-    return Ranks(kind, dist.get_rank(), dist.get_world_size(), owns)
+    if owns:
+        dist.init_process_group(backend_for(own))
+    return Ranks(kind, dist.get_rank(), dist.get_world_size(), owns, own)
+
+
+def backend_for(device: str) -> str:
+    """The collective backend for a trainer on ``device``: NCCL between GPUs, gloo on the CPU."""
+    return "nccl" if torch.device(device).type == "cuda" else "gloo"
+
+
+def _own_device(device: str, local_rank: int) -> str:
+    """This rank's device: ``cuda:<local rank>`` (made current, for NCCL and vLLM) or ``cpu``."""
+    if torch.device(device).type != "cuda":
+        return "cpu"
+    if local_rank >= torch.cuda.device_count():
+        raise UsageValueError(
+            f"local rank {local_rank} has no GPU of its own: this machine has {torch.cuda.device_count()}; "
+            "start at most that many processes per node"
+        )
+    torch.cuda.set_device(local_rank)
+    return f"cuda:{local_rank}"
 
 
 def stop(ranks: Ranks) -> None:

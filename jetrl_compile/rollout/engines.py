@@ -99,6 +99,15 @@ def _tensor_signature(model: nn.Module) -> dict[str, tuple]:
     return {name: (tuple(p.shape), p.dtype) for name, p in model.named_parameters()}
 
 
+def memory_share(gpu_memory: float) -> dict:
+    """vLLM's memory setting for a colocated engine: ``gpu_memory_utilization`` on a GPU (vLLM's
+    own default, 0.9, would leave the trainer a tenth), nothing on the CPU, whose KV cache
+    ``VLLM_CPU_KVCACHE_SPACE`` sizes."""
+    if not 0.0 < gpu_memory <= 1.0:
+        raise ValueError(f"gpu_memory={gpu_memory} is a share of the GPU's memory: 0 < share <= 1")
+    return {"gpu_memory_utilization": gpu_memory} if torch.cuda.is_available() else {}
+
+
 def _default_group_size() -> int:
     """Processes in torch.distributed's default process group; 0 where there is none."""
     dist = torch.distributed
@@ -120,6 +129,7 @@ class VllmEngine(RolloutEngine):
         max_model_len: int | None = None,
         max_num_batched_tokens: int = 16384,
         kv_cache_gib: int = 1,
+        gpu_memory: float = 0.3,
         enforce_eager: bool = True,
         seed: int = 0,
         dtype: torch.dtype | None = None,
@@ -133,6 +143,10 @@ class VllmEngine(RolloutEngine):
         exact mode and ``worker``/``vllm_model`` (which reach into the model) are not available.
         ``logprobs_mode="processed_logprobs"`` reports logprobs after temperature (what TRL
         recomputes) instead of the raw ones our trainer recomputes.
+
+        Memory: on a GPU, vLLM may take ``gpu_memory`` of the device's memory (its
+        ``gpu_memory_utilization``: weights, activations and KV cache; the colocated trainer keeps
+        the rest); on the CPU its KV cache is ``kv_cache_gib``.
 
         ``enforce_eager=False`` is vLLM's compiled model: vLLM traces its model with our op inside
         (one graph, no break) and Inductor compiles it, told to round to BF16 where the op does
@@ -216,6 +230,7 @@ class VllmEngine(RolloutEngine):
                 logprobs_mode=logprobs_mode,
                 use_tqdm_on_load=False,  # the export this engine just wrote: a bar per start says nothing
                 **launcher,
+                **memory_share(gpu_memory),
             )
         self._exact = None
         if self.exact:  # before any request: the model computes exact mode's function from the start

@@ -34,12 +34,18 @@ def cpu_kind() -> str:
 
 
 def describe(device: torch.device | str = "cpu") -> str:
-    """One line: CPU kind, model and cores, the BF16 GEMM path, and any switch set for the run."""
-    from .kernels import bf16_gemm_name, bf16_gemm_path
+    """One line: the CPU kind, model and cores, the BF16 GEMM path and any switch set for the run;
+    for a GPU device, the GPU and the FP8 GEMM kernel that runs there."""
+    from .kernels import bf16_gemm_name, bf16_gemm_path, kernel_name
 
+    device = torch.device(device)
     forced = switches.cpu_switches_set()
-    return (
+    line = (
         f"CPU kind {cpu_kind()} ({cpu_model()}, {os.cpu_count()} cores); "
-        f"BF16 GEMM path {bf16_gemm_path(device)} ({bf16_gemm_name(device)})"
-        + (f"; set: {' '.join(forced)}" if forced else "")
+        f"BF16 GEMM path {bf16_gemm_path('cpu')} ({bf16_gemm_name('cpu')})"
     )
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        major, minor = torch.cuda.get_device_capability(index)
+        line = f"GPU {torch.cuda.get_device_name(index)} (sm{major}{minor}); FP8 GEMM {kernel_name(device)}; " + line
+    return line + (f"; set: {' '.join(forced)}" if forced else "")

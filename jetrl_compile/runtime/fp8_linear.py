@@ -30,7 +30,7 @@ import torch
 
 from ..recipes import DEFAULT_RECIPE, Recipe, get_recipe
 from . import invariant
-from .kernels import bf16_gemm, fp8_gemm_quantizing
+from .kernels import bf16_gemm, fp8_gemm_quantizing, uses_emulation
 from .quantize import Quantized, dequantize, fake_quantize_groupwise, fused_quantize_groupwise, quantize_blockwise
 
 BF16 = torch.bfloat16
@@ -96,7 +96,12 @@ class _RecipeLinear(torch.autograd.Function):
 
 def _exact_fprop(x2, weight, weight_q, weight_s, bias, fprop: str, weight_fixed) -> torch.Tensor:
     """The fprop GEMM of exact mode: the same operands (FP8-quantized or BF16), multiplied by
-    ``invariant.gemm`` (exact per 128-block, blocks in order), rounded once to BF16."""
+    ``invariant.gemm`` (exact per 128-block, blocks in order), rounded once to BF16. Where FP8
+    GEMMs run on a real kernel (a GPU's Triton kernel), that kernel is batch-invariant by
+    construction (one tile configuration, K in order, no split-K: ``triton_fp8``), so exact mode
+    uses it as it is, with no float64 operand: ``weight_fixed`` is then just ``True``."""
+    if fprop == "fp8" and not uses_emulation(x2.device):
+        return fp8_gemm_quantizing(x2, Quantized(weight_q, weight_s), bias)
     if fprop == "fp8":
         a = fake_quantize_groupwise(x2, torch.float32)
         if not isinstance(weight_fixed, invariant.FixedPoint):

@@ -38,6 +38,8 @@ GOOD = json.dumps({"question": "1 + 1?", "answer": "2\n#### 2"}) + "\n"
     (["--task", "gsm8k"], "error: --task gsm8k needs --data PATH"),
     (["--difficulty", "7"], "error: arithmetic difficulty 7 must be 1, 2 or 3"),
     (["--exact", "--trainer-mode", "compile"], "error: --exact runs the trainer eagerly"),
+    (["--device", "tpu"], "argument --device: invalid choice: 'tpu'"),
+    (["--vllm-memory", "1.5"], r"error: --vllm-memory 1.5 is a share of the GPU's memory: 0 < share <= 1"),
 ])
 def test_bad_flags_are_one_error_line_and_exit_2(capsys, tmp_path, argv, message):
     code, err = _fails(capsys, [*argv, "--out", str(tmp_path / "run")])

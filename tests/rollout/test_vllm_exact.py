@@ -32,9 +32,9 @@ def _prompts():
     return [torch.randint(3, 256, (n,), generator=g).tolist() for n in PROMPT_LENGTHS]
 
 
-def _sample_and_recompute(model, engine, n=4, seed=3):
+def _sample_and_recompute(model, engine, n=4, seed=3, new_tokens=NEW_TOKENS):
     """(engine logprobs, trainer logprobs), flat over every sampled token."""
-    groups = engine.generate(_prompts(), n=n, max_new_tokens=NEW_TOKENS, temperature=1.0, seed=seed)
+    groups = engine.generate(_prompts(), n=n, max_new_tokens=new_tokens, temperature=1.0, seed=seed)
     with torch.no_grad():
         trainer = group_logprobs(model, _prompts(), [[c.token_ids for c in g] for g in groups])
     rollout = torch.tensor([x for g in groups for c in g for x in c.logprobs])
@@ -62,6 +62,23 @@ def test_vllm_logprobs_are_the_trainers_bit_for_bit(recipe, dtype, tmp_path):
         after, trainer_after = _sample_and_recompute(model, engine, seed=4)
         assert torch.equal(after, trainer_after)
         assert not torch.equal(after[:50], rollout[:50])  # the engine did sample from the new weights
+    finally:
+        engine.close()
+
+
+def test_on_the_gpus_fp8_kernel_vllm_is_exact_without_float64_operands(tmp_path, monkeypatch):
+    """With the Triton FP8 kernel (a GPU's default; here under Triton's interpreter), vLLM's
+    quantized linears run that batch-invariant kernel in exact mode, no fixed-point operand."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setenv("JETRL_FP8_KERNEL", "triton")
+    model = _exact("fp8_fwd_bf16_bwd", layers=2)
+    engine = make_engine(model, "vllm", workdir=tmp_path, max_model_len=256)
+    try:
+        layer = engine.vllm_model.model.layers[0].mlp.down_proj
+        assert layer.weight_fixed is True and not hasattr(layer, "weight_dequantized")
+        rollout, trainer = _sample_and_recompute(model, engine, n=2, new_tokens=16)
+        assert rollout.numel() >= 60, rollout.numel()
+        assert torch.equal(rollout, trainer), f"{(rollout != trainer).sum()} of {rollout.numel()} tokens differ"
     finally:
         engine.close()
 
