@@ -1,29 +1,35 @@
-"""The H200 run: CUDA kernels against the CPU emulation, then FP8 vs BF16 speed and memory.
+"""The GPU run: our FP8 kernel against the CPU emulation, then FP8 vs BF16 speed, rollout, mismatch.
 
 Run through ``bench/gpu.sh`` (which checks for CUDA first and sets the import path). Sections, in
 order, each guarded so that one failure is reported and the rest still run:
 
 1. ``kernels``: the quantizer on CUDA is bitwise the CPU quantizer; the emulated GEMM on CUDA
-   matches the CPU emulation within summation-order error; cuBLAS blockwise ``scaled_mm``
-   (fprop, dgrad and wgrad layouts) matches the float64 product of the dequantized operands
-   within BF16 rounding plus summation-order error. Only if every layout passes do the later
-   sections use the real FP8 kernel (``JETRL_FP8_KERNEL=scaled_mm``); otherwise they time the
-   emulation and say so.
-2. ``linear``: the 8B and 32B linear shapes at 4096 and 8192 tokens: BF16 ``F.linear`` vs the
-   recipe op, forward, and forward+backward per recipe. The activation quantize runs as one
-   fused kernel; the weight is quantized once outside the timed region, as the weight cache
-   does once per optimizer step.
+   matches the CPU emulation within summation-order error; our Triton FP8 kernel (the default on
+   sm89+) computes the GEMM definition in the fprop, dgrad and wgrad layouts (within BF16 rounding
+   plus summation-order error of the float64 product), and gives every row the same bits whatever
+   the batch; cuBLAS blockwise ``scaled_mm`` on sm90, for comparison. Only if the Triton kernel
+   passes every layout do the later sections use it; otherwise they time the emulation and say so.
+2. ``linear``: the default model's (SmolLM2-135M) and an 8B model's linear shapes at 4096 tokens:
+   BF16 ``F.linear`` vs the recipe op, forward, and forward+backward per recipe. The activation
+   quantize runs as one fused kernel; the weight is quantized once outside the timed region, as
+   the weight cache does once per optimizer step.
 3. ``train_step``: a 1B-class Llama with random weights (no downloads), FP32 master weights,
    AdamW, one step per recipe through ``unify(mode="eager")``: median step time, ratio to BF16,
    peak memory, and the bytes of the rollout weight copies per recipe.
 4. ``decode``: tokens/s of the unified model's own generation path (transformers ``generate``),
    BF16 vs FP8, on an 8B-class config with random BF16 weights.
+5. ``rollout``: vLLM tokens/s on a random Llama: plain vLLM BF16, our plugin (the trainer's FP8
+   op on the FP8 payloads), vLLM's own online ``fp8_per_block``. Needs vLLM (``pip install vllm``);
+   reported as skipped where it cannot import.
+6. ``mismatch``: k3 KL between the engine's and the trainer's logprobs of sampled tokens on the
+   GPU (``HfEngine``, the trainer's own model), for ``fp8_fwd_bf16_bwd`` as is and in exact mode
+   (the Triton kernel's batch invariance instead of float64 GEMMs for the quantized linears).
 
 Every section writes its markdown table to ``OUT/gpu.md`` as soon as it finishes (a run cut short
 still leaves what it measured) and the raw numbers to ``OUT/gpu.json``.
 
-    bash bench/gpu.sh /tmp/gpu-results           # on the H200
-    python bench/gpu.py --smoke --out /tmp/g     # CPU: tiny shapes, checks this script's plumbing
+    bash bench/gpu.sh /tmp/gpu-results           # on the GPU machine
+    python bench/gpu.py --smoke --out /tmp/g     # CPU: tiny shapes, the Triton kernel under its interpreter
 """
 
 from __future__ import annotations
@@ -60,8 +66,8 @@ RECIPE_GEMMS = {  # recipe -> (fprop, dgrad, wgrad), as in jetrl_compile.recipes
 }
 # (name, K in, N out) per model: fused qkv (GQA, 8 KV heads of 128), o_proj, fused gate_up, down.
 SHAPES = {
+    "SmolLM2-135M": [("qkv", 576, 960), ("o", 576, 576), ("gate_up", 576, 3072), ("down", 1536, 576)],
     "8B": [("qkv", 4096, 6144), ("o", 4096, 4096), ("gate_up", 4096, 28672), ("down", 14336, 4096)],
-    "32B": [("qkv", 5120, 7168), ("o", 5120, 5120), ("gate_up", 5120, 55296), ("down", 27648, 5120)],
 }
 SMOKE_SHAPES = {"tiny": [("qkv", 256, 384), ("down", 512, 256)]}
 LLAMA_1B = dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
@@ -71,12 +77,16 @@ LLAMA_8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
 LLAMA_TINY = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, vocab_size=512)
 # What each section runs on the H200, and in a CPU smoke run of this script.
-FULL = dict(kernel_mnk=[(256, 512, 384), (4096, 4096, 14336)], linear_shapes=SHAPES, linear_tokens=[4096, 8192],
+LLAMA_SMALL = dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=8, num_attention_heads=16,
+                   num_key_value_heads=4, vocab_size=32000)
+FULL = dict(kernel_mnk=[(200, 576, 1536), (4096, 4096, 14336)], linear_shapes=SHAPES, linear_tokens=[4096],
             reps=10, train_cfg=LLAMA_1B, train_batch_seq=(4, 2048), decode_cfg=LLAMA_8B,
-            decode_batch_prompt_new=(32, 128, 64), decode_reps=3)
+            decode_batch_prompt_new=(32, 128, 64), decode_reps=3, rollout_cfg=LLAMA_1B,
+            rollout_prompts_new=(64, 256), mismatch_cfg=LLAMA_SMALL, mismatch_prompts_new=(16, 4, 64))
 SMOKE = dict(kernel_mnk=[(64, 256, 384)], linear_shapes=SMOKE_SHAPES, linear_tokens=[128], reps=2,
              train_cfg=LLAMA_TINY, train_batch_seq=(2, 64), decode_cfg=LLAMA_TINY,
-             decode_batch_prompt_new=(2, 16, 4), decode_reps=1)
+             decode_batch_prompt_new=(2, 16, 4), decode_reps=1, rollout_cfg=LLAMA_TINY,
+             rollout_prompts_new=(2, 4), mismatch_cfg=LLAMA_TINY, mismatch_prompts_new=(2, 2, 4))
 
 
 class Report:
@@ -113,7 +123,8 @@ def median_s(fn, device, reps: int, warmup: int = 2) -> float:
 
 
 def use_fp8_kernel(on: bool) -> None:
-    os.environ["JETRL_FP8_KERNEL"] = "scaled_mm" if on else "emulate"  # read at each GEMM
+    """Our Triton FP8 kernel (on a CPU smoke run: under Triton's interpreter) or the emulation."""
+    os.environ["JETRL_FP8_KERNEL"] = "triton" if on else "emulate"  # read at each GEMM
 
 
 # ---------------------------------------------------------------- 1. kernels
@@ -134,9 +145,18 @@ def _excess_over_tolerance(y: torch.Tensor, a, b) -> float:
     return float(((y.double() - ref).abs() / tol).max())
 
 
+def _rows_invariant(a, b) -> bool:
+    """Whether rows of the FP8 GEMM are the same bits alone, in a slice, and in the whole batch."""
+    full = kernels.fp8_gemm(a, b)
+    m = a.data.shape[0]
+    picks = [slice(0, 1), slice(m // 2, m // 2 + 1), slice(m // 3, m // 3 + 64), slice(m - 1, m)]
+    return all(torch.equal(kernels.fp8_gemm(Quantized(a.data[r], a.scale[r]), b), full[r]) for r in picks)
+
+
 def check_kernels(device, shapes, report: Report) -> bool:
-    """Returns whether the real FP8 kernel passed every layout (and so may be used later)."""
-    rows, data, fp8_ok = [], [], device.type == "cuda"
+    """Returns whether our Triton FP8 kernel passed every layout (and so may be used later)."""
+    rows, data, fp8_ok = [], [], True
+    sm90 = device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
     for m, k, n in shapes:
         g = torch.Generator().manual_seed(m + k + n)
         x = torch.randn(m, k, generator=g).to(BF16)
@@ -155,34 +175,45 @@ def check_kernels(device, shapes, report: Report) -> bool:
             "dgrad": (quantize_groupwise(dy.to(device)), Quantized(b_dev.data.t(), b_dev.scale.t())),
             "wgrad": (quantize_groupwise(dy.to(device).t()), quantize_groupwise(x.to(device).t())),
         }
-        results = {}
-        for name, (a, b) in layouts.items():
-            if device.type != "cuda":
-                results[name] = "needs CUDA"
-                continue
-            use_fp8_kernel(True)
-            try:
-                if not kernels._use_cuda_blockwise(a.data, b):
-                    results[name] = "not used (device or shape)"
+        results, invariant, cublas = {}, None, "sm90 only"
+        use_fp8_kernel(True)
+        try:
+            for name, (a, b) in layouts.items():
+                try:
+                    excess = _excess_over_tolerance(kernels.fp8_gemm(a, b).cpu(), a, b)
+                    results[name] = f"{excess:.2f} ({'ok' if excess <= 1 else 'FAIL'})"
+                    fp8_ok &= excess <= 1
+                except Exception as e:  # the message is the finding
+                    results[name] = f"error: {str(e).splitlines()[0][:120]}"
                     fp8_ok = False
-                    continue
-                excess = _excess_over_tolerance(kernels.fp8_gemm(a, b).cpu(), a, b)
-                results[name] = f"{excess:.2f} ({'ok' if excess <= 1 else 'FAIL'})"
-                fp8_ok &= excess <= 1
-            except Exception as e:  # the message is the finding
-                results[name] = f"error: {str(e).splitlines()[0][:120]}"
-                fp8_ok = False
-            finally:
-                use_fp8_kernel(False)
+            invariant = _rows_invariant(a_dev, b_dev)
+            fp8_ok &= invariant
+        except Exception as e:  # noqa: BLE001
+            invariant, fp8_ok = f"error: {str(e).splitlines()[0][:120]}", False
+        if sm90 and kernels._scaled_mm_fits(a_dev.data, b_dev):
+            os.environ["JETRL_FP8_KERNEL"] = "scaled_mm"
+            try:
+                cublas = f"{_excess_over_tolerance(kernels.fp8_gemm(a_dev, b_dev).cpu(), a_dev, b_dev):.2f}"
+            except Exception as e:  # noqa: BLE001
+                cublas = f"error: {str(e).splitlines()[0][:120]}"
+        elif sm90:
+            cublas = "shape not multiple of 128"
+        use_fp8_kernel(True)
+        name = kernels.kernel_name(device)
+        use_fp8_kernel(False)
         rows.append([f"{m}x{k}x{n}", "yes" if quant_same else "NO", f"{emu_vs_cpu:.2f}",
-                     "yes" if emu_bitwise else "no", results["fprop"], results["dgrad"], results["wgrad"]])
+                     "yes" if emu_bitwise else "no", results["fprop"], results["dgrad"], results["wgrad"],
+                     {True: "yes", False: "NO"}.get(invariant, invariant), cublas])
         data.append({"mnk": [m, k, n], "quantizer_bitwise": quant_same, "emulation_excess": emu_vs_cpu,
-                     "emulation_bitwise": emu_bitwise, "scaled_mm": results})
+                     "emulation_bitwise": emu_bitwise, "triton": results, "rows_invariant": invariant,
+                     "scaled_mm": cublas})
     md = table(["M x K x N", "quantizer bitwise = CPU", "emulation error / tol", "emulation bitwise = CPU",
-                "scaled_mm fprop error / tol", "dgrad", "wgrad"], rows)
+                "triton fprop error / tol", "dgrad", "wgrad", "rows batch-invariant", "cuBLAS scaled_mm fprop"],
+               rows)
     md += ("\n\nerror / tol: max |y - ref| over (BF16 rounding + float32 summation-order bound), ref the "
-           "float64 product of the dequantized operands; <= 1 passes. "
-           f"Real FP8 kernel used below: {'yes' if fp8_ok else 'no (emulation)'}.")
+           "float64 product of the dequantized operands; <= 1 passes. Batch-invariant: rows 0, M/2, M/3.., "
+           f"M-1 computed alone equal the whole batch's bit for bit. FP8 GEMM below: {name} "
+           f"if the kernel passed ({'yes' if fp8_ok else 'no: the emulation is timed'}).")
     report.add("kernels", md, {"shapes": data, "fp8_kernel_ok": fp8_ok})
     return fp8_ok
 
@@ -328,18 +359,152 @@ def bench_decode(device, cfg: dict, batch: int, prompt: int, new_tokens: int, re
     report.add("decode", md, data)
 
 
+# ---------------------------------------------------------------- 5. rollout
+
+
+def bench_rollout(device, cfg: dict, prompts: int, new_tokens: int, report: Report, fp8_kernel: bool) -> None:
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is None:
+        report.add("rollout", "skipped: vLLM is not installed here (`pip install vllm`); nothing else measures "
+                   "rollout through the plugin", None)
+        return
+    import tempfile
+
+    import jetrl_compile
+    from jetrl_compile.rollout.engines import VllmEngine, memory_share
+
+    use_fp8_kernel(fp8_kernel)
+    workdir = Path(tempfile.mkdtemp(prefix="jetrl-gpu-rollout-"))
+    model = _llama(cfg, "cpu", BF16)
+    model.generation_config.pad_token_id = 0
+    model.save_pretrained(workdir / "bf16")
+    g = torch.Generator().manual_seed(0)
+    ids = [torch.randint(1, cfg["vocab_size"], (64,), generator=g).tolist() for _ in range(prompts)]
+
+    def plain(quantization):
+        from vllm import LLM
+
+        from jetrl_compile.rollout import _vllm_compat
+
+        # in this process, as our engine runs (on a CPU the KV cache is sized by VLLM_CPU_KVCACHE_SPACE)
+        settings = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1"}
+        with _vllm_compat.environment(settings):
+            return _VllmGenerate(LLM(model=str(workdir / "bf16"), dtype="bfloat16", enforce_eager=True, seed=0,
+                                     max_model_len=512, quantization=quantization, skip_tokenizer_init=True,
+                                     **memory_share(0.4)))
+
+    def plugin():
+        jetrl_compile.unify(model.to(device), "fp8_fwd_bf16_bwd", mode="eager")
+        return VllmEngine(model, workdir=workdir / "plugin", max_model_len=512, gpu_memory=0.4)
+
+    rows, data, base = [], {}, None
+    for name, build in [("vLLM BF16", lambda: plain(None)), ("plugin (jetrl FP8)", plugin),
+                        ("vLLM fp8_per_block", lambda: plain("fp8_per_block"))]:
+        engine = None
+        try:
+            engine = build()
+            times = []
+            for rep in range(3):
+                sync(device)
+                t0 = time.perf_counter()
+                groups = engine.generate(ids, n=1, max_new_tokens=new_tokens, seed=rep)
+                sync(device)
+                times.append(time.perf_counter() - t0)
+            tokens = sum(len(c.token_ids) for grp in groups for c in grp)
+            tps = tokens / statistics.median(times[1:])
+            base = base or tps
+            rows.append([name, f"{tps:.0f}", f"{tps / base:.2f}x"])
+            data[name] = {"tokens_per_s": tps}
+        except Exception as e:  # noqa: BLE001 - one engine failing is a finding, not the end of the section
+            rows.append([name, f"error: {str(e).splitlines()[0][:100]}", ""])
+            data[name] = {"error": str(e)}
+        finally:
+            if engine is not None:
+                engine.close()
+        print(rows[-1], flush=True)
+    md = table(["engine", "tokens/s", "vs vLLM BF16"], rows)
+    md += (f"\n\nLlama config {cfg}, random weights, {prompts} prompts of 64 tokens x {new_tokens} new tokens, "
+           "eager engines, medians of 2 runs after a warm-up. FP8 GEMM of the plugin: "
+           f"{kernels.kernel_name(device)}. Target: plugin >= 1.3x vLLM BF16.")
+    report.add("rollout", md, data)
+
+
+class _VllmGenerate:
+    """A plain ``vllm.LLM`` behind the engines' ``generate`` and ``close``."""
+
+    def __init__(self, llm):
+        self.llm = llm
+
+    def generate(self, prompts, *, n, max_new_tokens, seed):
+        from vllm import SamplingParams
+
+        params = [SamplingParams(n=n, max_tokens=max_new_tokens, seed=seed + i, detokenize=False, ignore_eos=True)
+                  for i in range(len(prompts))]
+        return [list(o.outputs) for o in self.llm.generate([{"prompt_token_ids": p} for p in prompts], params,
+                                                            use_tqdm=False)]
+
+    def close(self):
+        from jetrl_compile.rollout import _vllm_compat
+
+        _vllm_compat.shutdown(self.llm, keep_default_group=False)
+
+
+# ---------------------------------------------------------------- 6. mismatch
+
+
+def bench_mismatch(device, cfg: dict, prompts: int, n: int, new_tokens: int, report: Report, fp8_kernel: bool) -> None:
+    import jetrl_compile
+    from jetrl_compile.rl.mismatch import rollout_mismatch
+    from jetrl_compile.rollout.engines import HfEngine
+
+    use_fp8_kernel(fp8_kernel)
+    g = torch.Generator().manual_seed(1)
+    ids = [torch.randint(1, cfg["vocab_size"], (int(k),), generator=g).tolist()
+           for k in torch.randint(8, 40, (prompts,), generator=g)]
+    rows, data = [], {}
+    for name, exact in [("fp8_fwd_bf16_bwd", False), ("fp8_fwd_bf16_bwd, exact mode", True)]:
+        model = _llama(cfg, device, torch.float32).eval()
+        jetrl_compile.unify(model, "fp8_fwd_bf16_bwd", exact=exact)
+        engine = HfEngine(model, eos_token_id=cfg["vocab_size"] + 1, pad_token_id=0)  # never sampled: full length
+        t0 = time.perf_counter()
+        metrics = rollout_mismatch(model, engine, ids, n=n, max_new_tokens=new_tokens, seed=0)
+        seconds = time.perf_counter() - t0
+        rows.append([name, f"{metrics['mismatch_kl']:.3g}", f"{metrics['logprob_abs_diff_max']:.3g}",
+                     f"{metrics['tokens']:.0f}", f"{seconds:.1f}"])
+        data[name] = {**metrics, "seconds": seconds}
+        print(rows[-1], flush=True)
+        del model, engine
+    md = table(["flow", "k3 KL", "max abs dlogp", "tokens", "seconds"], rows)
+    md += (f"\n\nLlama config {cfg}, random FP32 master weights, {prompts} prompts x {n} samples x {new_tokens} "
+           f"tokens through HfEngine (KV-cache decode) against the trainer's packed teacher-forced forward. "
+           f"FP8 GEMM: {kernels.kernel_name(device)}. Exact mode must give 0 and 0.")
+    report.add("mismatch", md, data)
+
+
 # ---------------------------------------------------------------- driver
+
+
+def _version(package: str) -> str:
+    import importlib.metadata
+
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, required=True, help="folder for gpu.md and gpu.json")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on any device (checks the script itself)")
-    parser.add_argument("--sections", default="kernels,linear,train_step,decode")
+    parser.add_argument("--sections", default="kernels,linear,train_step,decode,rollout,mismatch")
     parser.add_argument("--budget-s", type=float, default=420, help="skip sections that start after this many seconds")
     args = parser.parse_args(argv)
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.type != "cuda":  # the smoke run checks the Triton kernel under Triton's interpreter
+        os.environ["TRITON_INTERPRET"] = "1"
     if device.type != "cuda" and not args.smoke:
         raise SystemExit(
             "bench/gpu.py needs a CUDA GPU (torch.cuda.is_available() is False); use --smoke to check it on CPU"
@@ -347,7 +512,8 @@ def main(argv=None):
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(0)
         where = (f"{props.name} (sm{props.major}{props.minor}, {props.total_memory / 2**30:.0f} GiB), torch "
-                 f"{torch.__version__}, CUDA {torch.version.cuda}, F.scaled_mm: {hasattr(F, 'scaled_mm')}")
+                 f"{torch.__version__}, CUDA {torch.version.cuda}, F.scaled_mm: {hasattr(F, 'scaled_mm')}, "
+                 f"Triton {_version('triton')}, vLLM {_version('vllm')}")
     else:
         where = f"CPU smoke run, torch {torch.__version__}"
     report = Report(args.out, f"# bench/gpu.sh\n\nMachine: {where}\n")
@@ -365,6 +531,8 @@ def main(argv=None):
         "decode": lambda ok: bench_decode(
             device, size["decode_cfg"], *size["decode_batch_prompt_new"], size["decode_reps"], report, ok
         ),
+        "rollout": lambda ok: bench_rollout(device, size["rollout_cfg"], *size["rollout_prompts_new"], report, ok),
+        "mismatch": lambda ok: bench_mismatch(device, size["mismatch_cfg"], *size["mismatch_prompts_new"], report, ok),
     }
     t0, fp8_ok, failed = time.perf_counter(), False, []
     for name in args.sections.split(","):

@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
-# The H200 run (bench/gpu.py): CUDA kernels checked against the CPU emulation, then FP8 vs BF16
-# linear, training-step and decode speed, and memory. Not yet run on an H200; bench/gpu.py skips
+# The GPU run (bench/gpu.py): our Triton FP8 kernel checked against the CPU emulation, then FP8 vs
+# BF16 linear, training-step and decode speed, vLLM rollout (where vLLM is installed), and the
+# rollout/trainer mismatch with and without exact mode. Not yet run on a GPU; bench/gpu.py skips
 # sections that would start after --budget-s (420 s by default). With 2+ GPUs,
 # FSDP2 step time and bytes all-gathered, FP32 vs FP8 gather (bench/distributed.py).
+# The package needs torchao: where the machine lacks it, put its wheel in .whl/ (torchao 0.18 is
+# pure Python: python3 -m pip download --no-deps -d .whl torchao==0.18.0).
 #
 #   bash bench/gpu.sh [OUT_DIR]      # tables in OUT_DIR/gpu.md (default: $OUT or bench/results/gpu)
 #

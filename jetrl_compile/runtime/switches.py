@@ -77,6 +77,11 @@ def cpu_switches_set() -> list[str]:
     return [f"{name}={os.environ[name]}" for name in CPU_SWITCHES if os.environ.get(name)]
 
 
+def launcher_local_rank() -> int:
+    """This process's rank on its node as torchrun numbers it (``LOCAL_RANK``; 0 outside torchrun)."""
+    return int(os.environ.get("LOCAL_RANK", "0"))
+
+
 def launcher_world() -> int | None:
     """The number of processes torchrun started (its ``WORLD_SIZE``; ``RANK`` set too), or None
     outside torchrun. Not a switch of ours, but read here with the rest of the environment."""

@@ -151,8 +151,7 @@ def test_the_default_kernel_on_each_device(monkeypatch):
     """Triton's kernel on a CUDA GPU with FP8 (sm89+), the emulation on older GPUs and on CPU;
     the switch forces either. The capability is a stand-in here: no GPU on this machine."""
     monkeypatch.delenv("JETRL_FP8_KERNEL", raising=False)
-    capability = {0: (9, 0), 1: (8, 9), 2: (8, 0)}
-    monkeypatch.setattr(kernels, "_cuda_capability", capability.__getitem__)
+    monkeypatch.setattr(kernels, "_CUDA_CAPABILITY", {0: (9, 0), 1: (8, 9), 2: (8, 0)})
     assert kernels.fp8_kernel("cpu") == "emulate"
     assert [kernels.fp8_kernel(f"cuda:{i}") for i in range(3)] == ["triton", "triton", "emulate"]
     assert kernels.kernel_name("cuda:0") == "triton fp8 GEMM (tensor cores)"
