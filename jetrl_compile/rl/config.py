@@ -118,7 +118,8 @@ HELP = {
     "data": "GSM8K-format jsonl (question, answer with '#### N'); its folder's test.jsonl is the eval split",
     "difficulty": "arithmetic difficulty: 1 (+/- up to 9), 2 (up to 50), 3 (up to 200, adds x)",
     "recipe": f"precision flow: {', '.join(RECIPES)}",
-    "engine": "rollout engine: vllm, hf (transformers generate on the unified model), or auto",
+    "engine": "rollout engine: vllm, hf (transformers generate on the unified model), or auto (vLLM where it "
+              "is installed; hf for --exact on a GPU)",
     "steps": "total optimizer steps (a resumed run continues up to this)",
     "group_size": "completions sampled per prompt (G)",
     "batch_size": "prompts per step",

@@ -32,6 +32,9 @@ from . import _vllm_compat
 from ._vllm_compat import plugin_api
 from .vllm_plugin import JetrlLinearMethod
 
+# the attention implementation whose KV cache layout ExactAttention reads (vLLM 0.32's CPU backend);
+# a GPU backend lays its cache out otherwise, by backend (vLLM's KVCacheLayout)
+CPU_ATTENTION_IMPL = "CPUAttentionBackendImpl"
 # leaf modules that compute nothing a logprob depends on
 _HARMLESS = ("PPMissingLayer", "Identity")
 
@@ -63,6 +66,12 @@ class ExactAttention:
             problems.append(f"attention type {impl.attn_type}")
         if problems:
             raise ValueError(f"exact mode in vLLM: {layer_name} has {', '.join(problems)}, which it does not implement")
+        if type(impl).__name__ != CPU_ATTENTION_IMPL:
+            raise ValueError(
+                f"exact mode in vLLM keeps keys and values in the KV cache of vLLM's CPU attention backend; "
+                f"{layer_name} runs {type(impl).__name__}. On a GPU, sample exact mode with the hf engine "
+                "(--engine hf; make_engine(model, 'hf'))"
+            )
         self.original = impl
         self.num_heads, self.num_kv_heads = impl.num_heads, impl.num_kv_heads
         self.head_size, self.scale = impl.head_size, float(impl.scale)

@@ -109,3 +109,14 @@ def test_grpo_driver_exact_on_vllm_reports_zero_mismatch_every_step(tmp_path):
     for row in rows:
         assert row["grad_norm"] > 0  # the first step learns, so the second samples synced weights
         assert row["mismatch_kl"] == 0.0 and row["logprob_abs_diff_max"] == 0.0, row
+
+
+def test_exact_attention_refuses_a_gpu_backends_kv_cache_by_name():
+    """Exact attention reads the CPU backend's KV cache layout; a GPU backend lays its cache out
+    otherwise, so it is refused with the way out (the hf engine), not misread."""
+
+    class FlashAttentionImpl:
+        num_heads, num_kv_heads, head_size, scale = 4, 2, 64, 0.125
+
+    with pytest.raises(ValueError, match="layers.0.attn runs FlashAttentionImpl. On a GPU, sample exact mode"):
+        vllm_exact.ExactAttention(FlashAttentionImpl(), "layers.0.attn")
