@@ -66,6 +66,9 @@ def quiet_console(verbose: bool = False, fmt: str = "[%(name)s] %(message)s") ->
     import os
 
     logging.basicConfig(level=logging.INFO, format=fmt)
+    # basicConfig leaves the root logger alone where an import gave it a handler already; the
+    # libraries' records (vLLM's too, when VLLM_CONFIGURE_LOGGING=0) reach the root at INFO either way
+    logging.getLogger().setLevel(logging.INFO)
     if verbose:
         return
     # vLLM's records then go through the root handler (and its filter) instead of a handler of its own
