@@ -82,11 +82,12 @@ LLAMA_SMALL = dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=8
 FULL = dict(kernel_mnk=[(200, 576, 1536), (4096, 4096, 14336)], linear_shapes=SHAPES, linear_tokens=[4096],
             reps=10, train_cfg=LLAMA_1B, train_batch_seq=(4, 2048), decode_cfg=LLAMA_8B,
             decode_batch_prompt_new=(32, 128, 64), decode_reps=3, rollout_cfg=LLAMA_1B,
-            rollout_prompts_new=(64, 256), mismatch_cfg=LLAMA_SMALL, mismatch_prompts_new=(16, 4, 64))
-SMOKE = dict(kernel_mnk=[(64, 256, 384)], linear_shapes=SMOKE_SHAPES, linear_tokens=[128], reps=2,
-             train_cfg=LLAMA_TINY, train_batch_seq=(2, 64), decode_cfg=LLAMA_TINY,
-             decode_batch_prompt_new=(2, 16, 4), decode_reps=1, rollout_cfg=LLAMA_TINY,
-             rollout_prompts_new=(2, 4), mismatch_cfg=LLAMA_TINY, mismatch_prompts_new=(2, 2, 4))
+            rollout_prompts_new_runs=(64, 256, 4), mismatch_cfg=LLAMA_SMALL, mismatch_prompts_new=(16, 4, 64))
+# The smoke run's FP8 GEMMs run under Triton's interpreter (about 0.1 s a call): sizes are minimal.
+SMOKE = dict(kernel_mnk=[(64, 256, 384)], linear_shapes=SMOKE_SHAPES, linear_tokens=[128], reps=1,
+             train_cfg=LLAMA_TINY, train_batch_seq=(2, 32), decode_cfg=LLAMA_TINY,
+             decode_batch_prompt_new=(2, 8, 2), decode_reps=1, rollout_cfg=LLAMA_TINY,
+             rollout_prompts_new_runs=(2, 2, 2), mismatch_cfg=LLAMA_TINY, mismatch_prompts_new=(2, 2, 3))
 
 
 class Report:
@@ -254,9 +255,11 @@ def bench_linear(device, shapes: dict, tokens: list[int], reps: int, report: Rep
                         x.grad = w.grad = None
                     return run
 
-                t = {"bf16 fwd": median_s(fwd_bf16, device, reps), "fp8 fwd": median_s(fwd_fp8, device, reps)}
+                warm = min(2, reps)
+                t = {"bf16 fwd": median_s(fwd_bf16, device, reps, warm),
+                     "fp8 fwd": median_s(fwd_fp8, device, reps, warm)}
                 for recipe in RECIPE_GEMMS:
-                    t[f"{recipe} fwd+bwd"] = median_s(fwd_bwd(recipe), device, reps)
+                    t[f"{recipe} fwd+bwd"] = median_s(fwd_bwd(recipe), device, reps, warm)
                 flops = 2 * m * k * n
                 rows.append([model, f"{name} {k}->{n}", m, f"{t['bf16 fwd'] * 1e3:.3f}",
                              f"{flops / t['bf16 fwd'] / 1e12:.0f}", f"{t['bf16 fwd'] / t['fp8 fwd']:.2f}x",
@@ -362,7 +365,8 @@ def bench_decode(device, cfg: dict, batch: int, prompt: int, new_tokens: int, re
 # ---------------------------------------------------------------- 5. rollout
 
 
-def bench_rollout(device, cfg: dict, prompts: int, new_tokens: int, report: Report, fp8_kernel: bool) -> None:
+def bench_rollout(device, cfg: dict, prompts: int, new_tokens: int, runs: int, report: Report,
+                  fp8_kernel: bool) -> None:
     import importlib.util
 
     if importlib.util.find_spec("vllm") is None:
@@ -405,14 +409,14 @@ def bench_rollout(device, cfg: dict, prompts: int, new_tokens: int, report: Repo
         try:
             engine = build()
             times = []
-            for rep in range(3):
+            for rep in range(runs):
                 sync(device)
                 t0 = time.perf_counter()
                 groups = engine.generate(ids, n=1, max_new_tokens=new_tokens, seed=rep)
                 sync(device)
                 times.append(time.perf_counter() - t0)
             tokens = sum(len(c.token_ids) for grp in groups for c in grp)
-            tps = tokens / statistics.median(times[1:])
+            tps = tokens / statistics.median(times[1:])  # the first run warms up
             base = base or tps
             rows.append([name, f"{tps:.0f}", f"{tps / base:.2f}x"])
             data[name] = {"tokens_per_s": tps}
@@ -425,7 +429,7 @@ def bench_rollout(device, cfg: dict, prompts: int, new_tokens: int, report: Repo
         print(rows[-1], flush=True)
     md = table(["engine", "tokens/s", "vs vLLM BF16"], rows)
     md += (f"\n\nLlama config {cfg}, random weights, {prompts} prompts of 64 tokens x {new_tokens} new tokens, "
-           "eager engines, medians of 2 runs after a warm-up. FP8 GEMM of the plugin: "
+           f"eager engines, medians of {runs - 1} runs after a warm-up. FP8 GEMM of the plugin: "
            f"{kernels.kernel_name(device)}. Target: plugin >= 1.3x vLLM BF16.")
     report.add("rollout", md, data)
 
@@ -531,7 +535,7 @@ def main(argv=None):
         "decode": lambda ok: bench_decode(
             device, size["decode_cfg"], *size["decode_batch_prompt_new"], size["decode_reps"], report, ok
         ),
-        "rollout": lambda ok: bench_rollout(device, size["rollout_cfg"], *size["rollout_prompts_new"], report, ok),
+        "rollout": lambda ok: bench_rollout(device, size["rollout_cfg"], *size["rollout_prompts_new_runs"], report, ok),
         "mismatch": lambda ok: bench_mismatch(device, size["mismatch_cfg"], *size["mismatch_prompts_new"], report, ok),
     }
     t0, fp8_ok, failed = time.perf_counter(), False, []

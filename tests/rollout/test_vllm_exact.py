@@ -76,8 +76,8 @@ def test_on_the_gpus_fp8_kernel_vllm_is_exact_without_float64_operands(tmp_path,
     try:
         layer = engine.vllm_model.model.layers[0].mlp.down_proj
         assert layer.weight_fixed is True and not hasattr(layer, "weight_dequantized")
-        rollout, trainer = _sample_and_recompute(model, engine, n=2, new_tokens=16)
-        assert rollout.numel() >= 60, rollout.numel()
+        rollout, trainer = _sample_and_recompute(model, engine, n=2, new_tokens=10)
+        assert rollout.numel() >= 40, rollout.numel()
         assert torch.equal(rollout, trainer), f"{(rollout != trainer).sum()} of {rollout.numel()} tokens differ"
     finally:
         engine.close()
