@@ -7,6 +7,7 @@ in the file; after loading they are ordinary BF16/FP32 tensors like any HF check
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 from pathlib import Path
 
@@ -50,6 +51,13 @@ def load_model(name: str = DEFAULT_MODEL, dtype: torch.dtype = torch.bfloat16):
     verbosity, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
+    # transformers' GGUF conversion draws its bar with tqdm itself, past the switch above: quiet for
+    # this one-second load, then put back
+    from transformers import modeling_gguf_pytorch_utils as gguf_utils
+
+    gguf_tqdm = getattr(gguf_utils, "tqdm", None)
+    if gguf_tqdm is not None:
+        gguf_utils.tqdm = functools.partial(gguf_tqdm, disable=True)
     try:
         tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=gguf)
         model = AutoModelForCausalLM.from_pretrained(
@@ -59,6 +67,8 @@ def load_model(name: str = DEFAULT_MODEL, dtype: torch.dtype = torch.bfloat16):
         hf_logging.set_verbosity(verbosity)  # put back as the application had them
         if bars:
             hf_logging.enable_progress_bar()
+        if gguf_tqdm is not None:
+            gguf_utils.tqdm = gguf_tqdm
     return model, tokenizer
 
 
