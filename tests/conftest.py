@@ -1,3 +1,4 @@
+import contextlib
 import importlib.metadata
 import os
 import socket
@@ -196,6 +197,24 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def one_thread():
+    """Run the block on one intra-op thread, as ``run_ranks``'s ranks run, then restore the count.
+
+    Through ``torch._C.set_num_threads``: an in-process vLLM engine's CPU worker replaces
+    ``torch.set_num_threads`` with a no-op that only warns (it has bound its OpenMP threads to
+    cores), for the rest of the process. A one-process reference computed after any such engine
+    in the suite then ran on both cores while the ranks ran on one; on an Intel Xeon (AMX) two of
+    the tied embedding's float32 tensors came out otherwise after three steps."""
+    threads = torch.get_num_threads()
+    torch._C.set_num_threads(1)
+    try:
+        assert torch.get_num_threads() == 1
+        yield
+    finally:
+        torch._C.set_num_threads(threads)
 
 
 def run_ranks(fn, args: tuple, world: int) -> None:

@@ -23,7 +23,7 @@ from jetrl_compile.runtime.fp8_all_gather import GatheredFP8Weight
 from jetrl_compile.runtime.quantize import quantize_blockwise
 from jetrl_compile.runtime.sharding import count_all_gathers, gathered
 from tests.conftest import FSDP_ALIGNED as ALIGNED
-from tests.conftest import run_ranks, tiny_model
+from tests.conftest import one_thread, run_ranks, tiny_model
 
 STEPS, MICRO = 3, 2
 LINEARS = 14  # 2 decoder layers x 7 projections; lm_head stays unquantized
@@ -164,14 +164,10 @@ def _spawn(tmp_path, world, *, recipe="fp8_fwd_bf16_bwd", mode="eager", parallel
 
 
 def _one_process(recipe, mode, dims=None) -> dict:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # as the ranks run: a GEMM's blocking may follow the thread count
-    try:
+    with one_thread():  # as the ranks run: a kernel's blocking may follow the thread count
         model = _model(recipe, mode, dims)
         _train(model, lambda batch: [batch[r::MICRO] for r in range(MICRO)])
         return _result(model)
-    finally:
-        torch.set_num_threads(threads)
 
 
 def _assert_same_training(got: dict, ref: dict, dims=None):

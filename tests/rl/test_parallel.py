@@ -20,7 +20,16 @@ from jetrl_compile.rl.checkpoint import latest_checkpoint
 from jetrl_compile.rl.config import GrpoConfig
 from jetrl_compile.rollout.engines import Completion
 from jetrl_compile.runtime.fp8_all_gather import ShardWithFP8Gather
-from tests.conftest import FSDP_ALIGNED, VLLM_TINY, ByteTokenizer, free_port, requires_vllm, run_ranks, tiny_model
+from tests.conftest import (
+    FSDP_ALIGNED,
+    VLLM_TINY,
+    ByteTokenizer,
+    free_port,
+    one_thread,
+    requires_vllm,
+    run_ranks,
+    tiny_model,
+)
 from tests.rl.test_grpo import EarnableTask, _cfg, _untimed
 
 WORLD = 2
@@ -164,13 +173,9 @@ def test_a_data_parallel_update_is_bitwise_one_process_on_the_whole_batch(tmp_pa
     """Each rank scales its loss by world / global tokens and DDP (FSDP2) averages: the step is the
     one process's on both prompts (one micro-batch each), bit for bit. A rank whose completions are
     all empty still runs a backward (zero-valued), or the other rank would wait forever."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with one_thread():
         model = jetrl_compile.unify(tiny_model("llama", layers=2, **VLLM_TINY), "fp8_fwd_bf16_bwd", mode="eager")
         ref_weights, ref_stats = _update(model, parallel.ONE_PROCESS, rank1_empty)
-    finally:
-        torch.set_num_threads(threads)
     out = tmp_path / "rank0.pt"
     run_ranks(_update_rank, (WORLD, free_port(), kind, rank1_empty, str(out)), WORLD)
     weights, loss, grad_norm = torch.load(out, weights_only=True)
