@@ -152,7 +152,8 @@ def patch(model: nn.Module, unquantized: list[nn.Linear], cache: WeightCache) ->
     for linear in unquantized:
 
         def forward(x, linear=linear):
-            return invariant.linear(x, linear.weight, linear.bias, cache.get_fixed(linear.weight, "raw"))
+            fixed = cache.get_fixed(linear.weight, "raw") if invariant.needs_fixed_point(x.device) else None
+            return invariant.linear(x, linear.weight, linear.bias, fixed)
 
         linear.forward = forward
         undo.append(("forward", linear, None))

@@ -17,6 +17,7 @@ import torch
 import torch.nn as nn
 
 from .recipes import DEFAULT_RECIPE, Recipe, get_recipe
+from .runtime import invariant
 from .runtime.fp8_linear import fp8_linear
 from .runtime.kernels import gemm_operand_dtype, uses_emulation
 from .runtime.weight_cache import WeightCache
@@ -236,11 +237,11 @@ def _patch_linears_eager(
         def forward(x, module=module):
             q, s = cache.get(module.weight) if needs_q else (None, None)
             deq = None
-            if exact:  # a real FP8 kernel is batch-invariant itself: no fixed-point operand (fp8_linear)
-                real_kernel = recipe.fprop.is_fp8 and not uses_emulation(module.weight.device)
+            if exact:  # a GPU's kernels are batch-invariant themselves: no fixed-point operand (fp8_linear)
+                fixed = invariant.needs_fixed_point(module.weight.device, recipe.fprop.is_fp8)
                 return fp8_linear(
                     x, module.weight, module.bias, q, s, None, fprop=recipe.fprop.dtype, dgrad=recipe.dgrad.dtype,
-                    wgrad=recipe.wgrad.dtype, exact=True if real_kernel else cache.get_fixed(module.weight, fixed_kind),
+                    wgrad=recipe.wgrad.dtype, exact=cache.get_fixed(module.weight, fixed_kind) if fixed else True,
                 )
             if recipe.fprop.is_fp8 and uses_emulation(module.weight.device):
                 deq = cache.get_dequantized(module.weight, gemm_operand_dtype(module.weight.device))

@@ -7,6 +7,8 @@ import logging
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 import jetrl_compile
 from jetrl_compile.exact import ATTN_IMPLEMENTATION, ExactSiLU
@@ -51,18 +53,47 @@ def test_sampled_logprobs_are_the_trainers_bit_for_bit(recipe, dtype):
     assert torch.equal(rollout, trainer), f"{(rollout != trainer).sum()} of {rollout.numel()} tokens differ"
 
 
-def test_on_the_gpus_fp8_kernel_exact_mode_needs_no_float64_gemm(monkeypatch):
-    """With the Triton FP8 kernel (a GPU's default; here under Triton's interpreter), exact mode
-    multiplies quantized linears with that kernel, batch-invariant by construction, instead of
-    float64 fixed-point operands: still bit for bit, and no float64 copy of a weight is made."""
+class _Float64Ops(TorchDispatchMode):
+    """Records the ops that produce a float64 tensor, and the largest tensor of each dtype."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops, self.largest = set(), {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                self.largest[t.dtype] = max(self.largest.get(t.dtype, 0), t.numel())
+                if t.dtype == torch.float64:
+                    self.ops.add(func.overloadpacket.__name__)
+        return out
+
+
+@pytest.mark.parametrize(
+    ("recipe", "dtype"), [("jetrl", torch.bfloat16), ("bf16", torch.float32)], ids=["jetrl-bf16", "bf16-fp32"]
+)
+def test_on_a_gpus_kernels_exact_mode_needs_no_float64(recipe, dtype, monkeypatch):
+    """With a GPU's kernels (here under Triton's interpreter): the Triton FP8 GEMM for quantized
+    linears and ``triton_invariant``'s GEMM, RMSNorm, attention and log-softmax for the rest.
+    Sampled logprobs are still the trainer's bit for bit, and once the weights are quantized (the
+    scales' float64 arithmetic, once per optimizer step) neither sampling nor the trainer's
+    recompute runs a float64 GEMM or makes a float64 tensor bigger than the activations' scales
+    (one value per 128-group, which torchao computes in float64): no fixed-point operand."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     monkeypatch.setenv("JETRL_FP8_KERNEL", "triton")
-    model = jetrl_compile.unify(tiny_model(layers=2, attn_implementation="sdpa").eval(), "jetrl", exact=True)
-    rollout, trainer = _sample_and_recompute(model, n=2, new_tokens=10)  # the interpreter is slow: 300 GEMMs
+    monkeypatch.setenv("JETRL_EXACT_KERNELS", "triton")
+    model = tiny_model(layers=2, dtype=dtype, attn_implementation="sdpa").eval()
+    model = jetrl_compile.unify(model, recipe, exact=True)
+    with torch.no_grad():
+        model(input_ids=torch.tensor([_prompts()[0]]))  # quantizes the weights
+    with _Float64Ops() as float64:
+        rollout, trainer = _sample_and_recompute(model, n=2, new_tokens=10)  # the interpreter is slow
     assert rollout.numel() == len(PROMPT_LENGTHS) * 2 * 10
     assert torch.equal(rollout, trainer), f"{(rollout != trainer).sum()} of {rollout.numel()} tokens differ"
-    cache = jetrl_compile.unified_state(model).cache
-    assert {kind for _, kind in cache._fixed} == {"raw"}, "only lm_head's operand (unquantized) is fixed-point"
+    assert not float64.ops & {"mm", "bmm", "addmm", "matmul", "baddbmm"}, float64.ops
+    assert float64.largest.get(torch.float64, 0) * 128 <= max(float64.largest.values()), float64.largest
+    assert not jetrl_compile.unified_state(model).cache._fixed, "no weight has a fixed-point operand"
 
 
 def test_qwen2_with_biases_is_exact_too():

@@ -199,7 +199,8 @@ class ExactVllm:
     def _linear(self, layer, x, bias=None):
         """An unquantized linear's ``quant_method.apply`` and the logits processor's
         ``_apply_head(lm_head, hidden_states, embedding_bias)``: the trainer's ``invariant.linear``."""
-        return invariant.linear(x, layer.weight, bias, self._fixed_of(layer.weight))
+        fixed = self._fixed_of(layer.weight) if invariant.needs_fixed_point(x.device) else None
+        return invariant.linear(x, layer.weight, bias, fixed)
 
     @staticmethod
     def _norm(norm):

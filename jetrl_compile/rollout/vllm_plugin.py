@@ -263,8 +263,8 @@ class JetrlLinearMethod(LinearMethodBase):
     def _make_fixed(self, layer: torch.nn.Module) -> None:
         if not self.exact:
             layer.weight_fixed = False
-        elif self.fp8 and not uses_emulation(layer.weight.device):
-            layer.weight_fixed = True  # the real FP8 kernel is batch-invariant itself (fp8_linear._exact_fprop)
+        elif not invariant.needs_fixed_point(layer.weight.device, self.fp8):
+            layer.weight_fixed = True  # a GPU's kernels are batch-invariant themselves (fp8_linear._exact_fprop)
         elif self.fp8:  # the trainer's WeightCache.get_fixed(w, "fp8") of the same payload and scales
             deq = dequantize(layer.weight.data, layer.weight_scale.data, torch.float32)
             layer.weight_fixed = invariant.FixedPoint(deq)

@@ -99,9 +99,18 @@ def _exact_fprop(x2, weight, weight_q, weight_s, bias, fprop: str, weight_fixed)
     ``invariant.gemm`` (exact per 128-block, blocks in order), rounded once to BF16. Where FP8
     GEMMs run on a real kernel (a GPU's Triton kernel), that kernel is batch-invariant by
     construction (one tile configuration, K in order, no split-K: ``triton_fp8``), so exact mode
-    uses it as it is, with no float64 operand: ``weight_fixed`` is then just ``True``."""
+    uses it as it is, with no float64 operand: ``weight_fixed`` is then just ``True``. Where exact
+    mode runs the GPU's invariant kernels (``invariant.uses_triton``) but FP8 GEMMs are emulated,
+    and for BF16 fprops, the operands go to the invariant Triton GEMM (float32 accumulation in one
+    fixed order), again with no fixed-point operand."""
     if fprop == "fp8" and not uses_emulation(x2.device):
         return fp8_gemm_quantizing(x2, Quantized(weight_q, weight_s), bias)
+    if invariant.uses_triton(x2.device):  # a GPU's invariant GEMM on the same BF16-valued operands
+        if fprop == "fp8":
+            a, w = fake_quantize_groupwise(x2, BF16), dequantize(weight_q, weight_s, BF16)
+        else:
+            a, w = x2, weight.detach().to(BF16)
+        return invariant.triton_gemm(a, w, bias).to(BF16)
     if fprop == "fp8":
         a = fake_quantize_groupwise(x2, torch.float32)
         if not isinstance(weight_fixed, invariant.FixedPoint):

@@ -30,6 +30,13 @@ result per element is fixed by IEEE 754 whatever the kernel (``+ - * /``, ``sqrt
 
 Backward rules are the usual ones (gradients need not be invariant): each function here is an
 autograd Function whose backward recomputes the textbook formula with torch's kernels.
+
+**On a GPU** (``uses_triton``: the default on CUDA where Triton is installed; the switch
+``JETRL_EXACT_KERNELS`` forces either), the GEMM of unquantized linears, RMSNorm, attention and
+the log-softmax run ``triton_invariant``'s float32 kernels instead, which fix the summation order
+rather than make the sums exact (a GPU's float64 rate is a fraction of its float32 one). Quantized
+linears run the Triton FP8 GEMM, batch-invariant itself (``fp8_linear``). SiLU and exp stay these
+float32 ops, elementwise and so invariant on any device.
 """
 
 from __future__ import annotations
@@ -38,6 +45,9 @@ import math
 
 import torch
 import torch.nn.functional as F
+
+from . import switches
+from .kernels import triton_installed, uses_emulation
 
 SUM_BLOCK = 64
 GEMM_BLOCK = 128
@@ -48,6 +58,28 @@ _LN2 = 0.6931471805599453
 _SQRT2 = 1.4142135623730951
 # log(m) = 2 atanh(f), f = (m - 1) / (m + 1), |f| <= 0.172: odd terms to f**17
 _ATANH_COEFFS = [1.0 / (2 * k + 1) for k in range(9)]
+
+
+def uses_triton(device: torch.device | str) -> bool:
+    """Whether exact mode's invariant functions run the Triton kernels on ``device`` (module
+    docstring): ``JETRL_EXACT_KERNELS=triton|torch`` forces it; ``auto`` takes Triton on CUDA."""
+    choice = switches.exact_kernels()
+    if choice != "auto":
+        return choice == "triton"
+    return torch.device(device).type == "cuda" and triton_installed()
+
+
+def needs_fixed_point(device: torch.device | str, fp8: bool = False) -> bool:
+    """Whether exact mode's GEMMs on ``device`` take float64 fixed-point operands
+    (``FixedPoint``): not where the invariant Triton kernels run (``uses_triton``), nor for an FP8
+    GEMM on a real FP8 kernel, which is batch-invariant itself (``fp8_linear._exact_fprop``)."""
+    return not (uses_triton(device) or (fp8 and not uses_emulation(device)))
+
+
+def _triton():
+    from . import triton_invariant  # imports Triton: only where it runs
+
+    return triton_invariant
 
 
 def tree_sum(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
@@ -206,13 +238,23 @@ def gemm(a: torch.Tensor | FixedPoint, b: torch.Tensor | FixedPoint, bias: torch
     return out
 
 
+def triton_gemm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``a @ b^T + bias`` in float32 by the GPU's invariant Triton GEMM (``uses_triton``)."""
+    return _triton().gemm(a, b, bias)
+
+
 class _Linear(torch.autograd.Function):
     """Invariant forward in the input's dtype; F.linear's backward in the same dtypes."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, weight_fixed):
-        w = FixedPoint(weight, block=None) if weight_fixed is None else weight_fixed
-        y = gemm(x.reshape(-1, x.shape[-1]), w, bias)
+        x2 = x.reshape(-1, x.shape[-1])
+        if uses_triton(x.device):
+            dtype = x.dtype if weight.dtype == x.dtype else torch.float32
+            y = triton_gemm(x2.to(dtype), weight.detach().to(dtype), bias)
+        else:
+            w = FixedPoint(weight, block=None) if weight_fixed is None else weight_fixed
+            y = gemm(x2, w, bias)
         ctx.save_for_backward(x, weight)
         ctx.has_bias = bias is not None
         return y.to(x.dtype).reshape(*x.shape[:-1], weight.shape[0])
@@ -231,17 +273,40 @@ def linear(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, weight_fixed: FixedPoint | None = None
 ) -> torch.Tensor:
     """``x W^T + b`` with the invariant ``gemm``, in ``x``'s dtype (for linears exact mode keeps
-    unquantized, such as ``lm_head``): one fixed-point block per row, so one exact float64 GEMM.
-    ``weight_fixed``: ``FixedPoint(weight, block=None)`` made earlier."""
+    unquantized, such as ``lm_head``): one fixed-point block per row, so one exact float64 GEMM;
+    on a GPU (``uses_triton``) the Triton GEMM in ``x``'s dtype (float32 where the weight's
+    differs). ``weight_fixed``: ``FixedPoint(weight, block=None)`` made earlier (unused on a GPU)."""
     return _Linear.apply(x, weight, bias, weight_fixed)
 
 
 # --- norms, activations, attention, logprobs -----------------------------------------------------
 
 
+class _TritonRMSNorm(torch.autograd.Function):
+    """The normalized float32 rows by the Triton kernel; the backward of the same formula in torch."""
+
+    @staticmethod
+    def forward(ctx, x, eps):
+        ctx.save_for_backward(x)
+        ctx.eps = eps
+        return _triton().rms_norm(x, eps)
+
+    @staticmethod
+    def backward(ctx, dh):
+        (x,) = ctx.saved_tensors
+        with torch.enable_grad():
+            h = x.detach().float().requires_grad_()
+            ref = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + ctx.eps)
+            (dx,) = torch.autograd.grad(ref, h, dh)
+        return dx.to(x.dtype), None
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """LlamaRMSNorm's function (float32 statistics, weight times the input-dtype result) with a
-    ``tree_sum`` for the mean of squares. Differentiable through plain ops."""
+    ``tree_sum`` for the mean of squares, differentiable through plain ops; on a GPU
+    (``uses_triton``) the Triton kernel's one program per row."""
+    if uses_triton(x.device):
+        return weight * _TritonRMSNorm.apply(x, eps).to(x.dtype)
     h = x.float()
     variance = tree_sum(h * h) / h.shape[-1]
     h = h * (1.0 / torch.sqrt(variance + eps)).unsqueeze(-1)
@@ -333,7 +398,10 @@ class _Attention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, visible, scaling):
         with torch.no_grad():
-            out = _attention_forward(q, k, v, visible, scaling).to(q.dtype)
+            if uses_triton(q.device):
+                out = _triton().attention(q, k, v, visible, scaling).to(q.dtype)
+            else:
+                out = _attention_forward(q, k, v, visible, scaling).to(q.dtype)
         ctx.save_for_backward(q, k, v, visible)
         ctx.scaling = scaling
         return out
@@ -354,13 +422,14 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.
     """Softmax attention, invariant: q (B, H, Tq, D), k and v (B, Hkv, Tk, D) (H a multiple of
     Hkv: grouped queries), ``visible`` (B, Tq, Tk) bool. Every sum over keys is exact
     (module docstring), so neither the keys' order nor the masked keys can change a query's
-    result. Returns (B, H, Tq, D) in q's dtype; the backward is SDPA's."""
+    result. Returns (B, H, Tq, D) in q's dtype; the backward is SDPA's. On a GPU (``uses_triton``)
+    the Triton kernel: each query's visible keys, and only those, in fixed blocks in order."""
     if visible.dim() != 3 or q.shape[1] % k.shape[1]:
         raise ValueError(
             f"invariant attention: visible must be (B, Tq, Tk) and query heads a multiple of key heads; got "
             f"visible {tuple(visible.shape)}, {q.shape[1]} query heads, {k.shape[1]} key heads"
         )
-    if k.shape[2] > _MAX_KEYS or q.shape[-1] > _MAX_HEAD_DIM:
+    if not uses_triton(q.device) and (k.shape[2] > _MAX_KEYS or q.shape[-1] > _MAX_HEAD_DIM):
         raise ValueError(
             f"invariant attention is exact up to {_MAX_KEYS} keys and head_dim {_MAX_HEAD_DIM}; "
             f"got {k.shape[2]} keys, head_dim {q.shape[-1]}"
@@ -381,6 +450,10 @@ def _shifted_and_log_total(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Te
 class _TokenLogprobs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, tokens):
+        ctx.save_for_backward(logits, tokens)
+        if uses_triton(logits.device):
+            with torch.no_grad():
+                return _triton().log_softmax(logits, tokens)
         x = logits.reshape(-1, logits.shape[-1])
         t = tokens.reshape(-1, 1)
         rows = max(1, _LOGPROB_CHUNK // x.shape[-1])  # a few rows at a time: exp stays in cache
@@ -389,7 +462,6 @@ class _TokenLogprobs(torch.autograd.Function):
             for r0 in range(0, x.shape[0], rows):
                 shifted, log_total = _shifted_and_log_total(x[r0 : r0 + rows])
                 parts.append(shifted.gather(-1, t[r0 : r0 + rows]).squeeze(-1) - log_total)
-        ctx.save_for_backward(logits, tokens)
         return torch.cat(parts).reshape(tokens.shape) if parts else x.new_zeros(tokens.shape, dtype=torch.float32)
 
     @staticmethod
@@ -402,7 +474,8 @@ class _TokenLogprobs(torch.autograd.Function):
 
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     """``log_softmax(logits)[token]`` in float32 for logits (..., V) and tokens (...), invariant:
-    ``(x_t - max) - log(tree_sum(exp(x - max)))``. The backward is the usual softmax one."""
+    ``(x_t - max) - log(tree_sum(exp(x - max)))`` (on a GPU, ``uses_triton``: the Triton kernel's
+    blocks of the vocabulary in order). The backward is the usual softmax one."""
     return _TokenLogprobs.apply(logits, tokens)
 
 
@@ -410,6 +483,9 @@ def log_softmax(logits: torch.Tensor) -> torch.Tensor:
     """``log_softmax`` of (R, V) logits in float32, invariant, no autograd: for every token the same
     bits ``token_logprobs`` gives it (a rollout engine that reports logprobs over the whole
     vocabulary uses this)."""
+    if uses_triton(logits.device):
+        with torch.no_grad():
+            return _triton().log_softmax(logits)
     x = logits.reshape(-1, logits.shape[-1])
     rows = max(1, _LOGPROB_CHUNK // max(1, x.shape[-1]))
     out = torch.empty(x.shape, dtype=torch.float32, device=x.device)

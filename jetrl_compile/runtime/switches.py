@@ -10,6 +10,7 @@ from pathlib import Path
 
 BF16_GEMM = "JETRL_BF16_GEMM"
 FP8_KERNEL = "JETRL_FP8_KERNEL"
+EXACT_KERNELS = "JETRL_EXACT_KERNELS"
 FUSED_QUANTIZE = "JETRL_FUSED_QUANTIZE"
 CHECK_FINITE = "JETRL_CHECK_FINITE"
 DUMP = "JETRL_DUMP"
@@ -17,6 +18,7 @@ DUMP_DIR = "JETRL_DUMP_DIR"
 
 BF16_GEMM_CHOICES = ("auto", "native", "fp32")
 FP8_KERNEL_CHOICES = ("auto", "emulate", "triton", "scaled_mm")
+EXACT_KERNELS_CHOICES = ("auto", "torch", "triton")
 
 
 def _choice(name: str, default: str, choices: tuple[str, ...]) -> str:
@@ -47,6 +49,13 @@ def fp8_kernel() -> str:
     elsewhere), ``emulate``, ``triton`` (on CPU tensors under ``TRITON_INTERPRET=1``) or
     ``scaled_mm`` (cuBLAS blockwise on sm90): how FP8 GEMMs run (``kernels.fp8_kernel``)."""
     return _choice(FP8_KERNEL, "auto", FP8_KERNEL_CHOICES)
+
+
+def exact_kernels() -> str:
+    """``auto`` (default: the Triton kernels on a CUDA GPU where Triton is installed, torch's ops
+    in float64 fixed point elsewhere), ``torch`` or ``triton`` (on CPU tensors under
+    ``TRITON_INTERPRET=1``): which invariant kernels exact mode runs (``invariant.uses_triton``)."""
+    return _choice(EXACT_KERNELS, "auto", EXACT_KERNELS_CHOICES)
 
 
 def fused_quantize() -> bool:

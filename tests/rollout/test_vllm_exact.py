@@ -66,17 +66,22 @@ def test_vllm_logprobs_are_the_trainers_bit_for_bit(recipe, dtype, tmp_path):
         engine.close()
 
 
-def test_on_the_gpus_fp8_kernel_vllm_is_exact_without_float64_operands(tmp_path, monkeypatch):
-    """With the Triton FP8 kernel (a GPU's default; here under Triton's interpreter), vLLM's
-    quantized linears run that batch-invariant kernel in exact mode, no fixed-point operand."""
+def test_on_a_gpus_kernels_vllm_is_exact_without_float64_operands(tmp_path, monkeypatch):
+    """With a GPU's kernels (here under Triton's interpreter, in vLLM's CPU backend): vLLM's
+    quantized linears run the batch-invariant Triton FP8 GEMM in exact mode, and its attention,
+    norms, logits head and logprobs ``triton_invariant``'s kernels, as the trainer does: no
+    fixed-point operand anywhere, and the trainer's logprobs bit for bit."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     monkeypatch.setenv("JETRL_FP8_KERNEL", "triton")
+    monkeypatch.setenv("JETRL_EXACT_KERNELS", "triton")
     model = _exact("fp8_fwd_bf16_bwd", layers=2)
     engine = make_engine(model, "vllm", workdir=tmp_path, max_model_len=256)
     try:
         layer = engine.vllm_model.model.layers[0].mlp.down_proj
         assert layer.weight_fixed is True and not hasattr(layer, "weight_dequantized")
         rollout, trainer = _sample_and_recompute(model, engine, n=2, new_tokens=10)
+        assert not jetrl_compile.unified_state(model).cache._fixed, "the trainer made a fixed-point operand"
+        assert not engine._exact._fixed, "vLLM's logits head made a fixed-point operand"
         assert rollout.numel() >= 40, rollout.numel()
         assert torch.equal(rollout, trainer), f"{(rollout != trainer).sum()} of {rollout.numel()} tokens differ"
     finally:

@@ -66,3 +66,25 @@ def test_emulation_on_cuda_equals_cpu_bitwise_for_the_quantizer():
     torch.manual_seed(1)
     w = torch.randn(300, 200)
     assert_same_quantization(quantize_blockwise(w), quantize_blockwise(w.cuda()))
+
+
+def test_exact_modes_gpu_kernels_give_each_row_the_same_bits_whatever_the_batch():
+    """``triton_invariant`` compiled for the GPU (the default suite runs it under the interpreter):
+    a row alone equals the row in a batch of 300, and a decode query equals its row in a causal
+    batch, on the hardware's own reductions and tensor cores."""
+    from jetrl_compile.runtime import triton_invariant
+
+    torch.manual_seed(0)
+    a, b = torch.randn(300, 576, device="cuda").bfloat16(), torch.randn(4096, 576, device="cuda").bfloat16()
+    full = triton_invariant.gemm(a, b)
+    assert all(torch.equal(triton_invariant.gemm(a[r : r + 1], b), full[r : r + 1]) for r in (0, 77, 299))
+    x = torch.randn(300, 576, device="cuda")
+    assert torch.equal(triton_invariant.rms_norm(x[5:6], 1e-6), triton_invariant.rms_norm(x, 1e-6)[5:6])
+    logits = torch.randn(8, 49152, device="cuda") * 3
+    assert torch.equal(triton_invariant.log_softmax(logits[3:4]), triton_invariant.log_softmax(logits)[3:4])
+    q, k, v = (torch.randn(1, n, 200, 64, device="cuda") for n in (9, 3, 3))
+    causal = torch.ones(200, 200, dtype=torch.bool, device="cuda").tril()[None]
+    full = triton_invariant.attention(q, k, v, causal, 0.125)
+    alone = torch.ones(1, 1, 151, dtype=torch.bool, device="cuda")
+    decode = triton_invariant.attention(q[:, :, 150:151], k[:, :, :151], v[:, :, :151], alone, 0.125)
+    assert torch.equal(decode[:, :, 0], full[:, :, 150])
