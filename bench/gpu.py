@@ -23,7 +23,8 @@ order, each guarded so that one failure is reported and the rest still run:
    reported as skipped where it cannot import.
 6. ``mismatch``: k3 KL between the engine's and the trainer's logprobs of sampled tokens on the
    GPU (``HfEngine``, the trainer's own model), for ``fp8_fwd_bf16_bwd`` as is and in exact mode
-   (the Triton kernel's batch invariance instead of float64 GEMMs for the quantized linears).
+   (no float64 on a GPU: the Triton FP8 kernel's batch invariance for the quantized linears and
+   ``triton_invariant``'s fixed-order kernels for ``lm_head``, norms, attention and log-softmax).
 
 Every section writes its markdown table to ``OUT/gpu.md`` as soon as it finishes (a run cut short
 still leaves what it measured) and the raw numbers to ``OUT/gpu.json``.
@@ -53,6 +54,7 @@ from jetrl_compile.runtime import (  # noqa: E402
     Quantized,
     dequantize,
     fp8_linear,
+    invariant,
     kernels,  # noqa: E402
     quantize_blockwise,
     quantize_groupwise,
@@ -482,7 +484,9 @@ def bench_mismatch(device, cfg: dict, prompts: int, n: int, new_tokens: int, rep
     md = table(["flow", "k3 KL", "max abs dlogp", "tokens", "seconds"], rows)
     md += (f"\n\nLlama config {cfg}, random FP32 master weights, {prompts} prompts x {n} samples x {new_tokens} "
            f"tokens through HfEngine (KV-cache decode) against the eager trainer's packed teacher-forced forward. "
-           f"FP8 GEMM: {kernels.kernel_name(device)}. Exact mode must give 0 and 0.")
+           f"FP8 GEMM: {kernels.kernel_name(device)}. Exact mode's other kernels: "
+           f"{'Triton, fixed order (triton_invariant)' if invariant.uses_triton(device) else 'float64 fixed point'}. "
+           "Exact mode must give 0 and 0.")
     report.add("mismatch", md, data)
 
 
