@@ -211,10 +211,14 @@ class VllmEngine(RolloutEngine):
             "VLLM_CACHE_ROOT": str(self.workdir / "vllm-cache"),
             "VLLM_CPU_KVCACHE_SPACE": str(int(kv_cache_gib)),
         }
-        launcher = {}
+        engine_args = {}
+        if self.exact and torch.cuda.is_available():  # a KV cache ExactAttention reads (vllm_exact.KV_SPLITS)
+            from .vllm_exact import GPU_ATTENTION_BACKEND
+
+            engine_args["attention_backend"] = GPU_ATTENTION_BACKEND
         if joins_world:  # vLLM makes its groups inside the trainer's world instead of its own
             settings.update(_vllm_compat.external_launcher_settings(torch.distributed.get_rank()))
-            launcher = {"distributed_executor_backend": "external_launcher"}
+            engine_args["distributed_executor_backend"] = "external_launcher"
         _vllm_compat.share_model_info_cache(self.workdir / "vllm-cache")
         self._dynamo_hooks: set[int] = set()  # a compiled model's; close removes them
         with _vllm_compat.environment(settings), _vllm_compat.dynamo_bytecode_hooks_added(self._dynamo_hooks):
@@ -229,7 +233,7 @@ class VllmEngine(RolloutEngine):
                 seed=seed,
                 logprobs_mode=logprobs_mode,
                 use_tqdm_on_load=False,  # the export this engine just wrote: a bar per start says nothing
-                **launcher,
+                **engine_args,
                 **memory_share(gpu_memory),
             )
         self._exact = None

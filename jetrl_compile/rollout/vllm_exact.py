@@ -14,9 +14,10 @@ invariant function for it:
 - ``SiluAndMul``: ``invariant.silu(gate) * up``;
 - rotary embeddings: the trainer's own cos/sin table (looked up by position), applied as
   transformers applies it;
-- attention: ``ExactAttention`` replaces the layer's CPU backend implementation: it writes keys
-  and values into the paged cache in a plain layout and attends every query to its sequence's keys
-  with ``invariant.attention``;
+- attention: ``ExactAttention`` replaces the layer's backend implementation (vLLM's CPU backend;
+  on a GPU its Triton or FlashAttention backend, whose caches share one layout): it writes keys
+  and values into the paged cache and attends every query to its sequence's keys with
+  ``invariant.attention``;
 - the sampler's logprobs: ``invariant.log_softmax``.
 
 A model with any other layer (LayerNorm, GELU, sliding windows, ALiBi, soft-capping, a quantized KV
@@ -32,9 +33,15 @@ from . import _vllm_compat
 from ._vllm_compat import plugin_api
 from .vllm_plugin import JetrlLinearMethod
 
-# the attention implementation whose KV cache layout ExactAttention reads (vLLM 0.32's CPU backend);
-# a GPU backend lays its cache out otherwise, by backend (vLLM's KVCacheLayout)
-CPU_ATTENTION_IMPL = "CPUAttentionBackendImpl"
+# The attention implementations whose KV caches ExactAttention reads and writes, and how each holds
+# a layer's keys and values in its cache, logically (blocks, kv heads, block size, 2 x head size)
+# in vLLM 0.32 whatever the physical stride order: the CPU backend stores per block and head the
+# block's keys, then its values ("slots"); the GPU backends store each slot's key, then its value
+# ("features"). ExactAttention writes every cache it reads, so only this split has to match.
+KV_SPLITS = {"CPUAttentionBackendImpl": "slots", "TritonAttentionImpl": "features", "FlashAttentionImpl": "features"}
+# the backend an exact engine asks vLLM for on a GPU: any CUDA GPU and every dtype a trainer holds
+# (FlashAttention's has no float32); ExactAttention does the computing
+GPU_ATTENTION_BACKEND = "TRITON_ATTN"
 # leaf modules that compute nothing a logprob depends on
 _HARMLESS = ("PPMissingLayer", "Identity")
 
@@ -45,10 +52,10 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class ExactAttention:
-    """Stands in for a vLLM attention layer's ``impl`` (CPU backend): the same KV cache tensor,
-    keys and values stored per slot in two halves (``[block, kv head, 0:bs]`` keys,
-    ``[block, kv head, bs:2 bs]`` values), and every query attended with ``invariant.attention``
-    to keys 0..its position of its own sequence (found through the block table)."""
+    """Stands in for a vLLM attention layer's ``impl``: the same KV cache tensor, keys and values
+    stored as the backend stores them (``KV_SPLITS``), and every query attended with
+    ``invariant.attention`` to keys 0..its position of its own sequence (found through the block
+    table)."""
 
     def __init__(self, impl, layer_name: str):
         problems = []
@@ -66,22 +73,27 @@ class ExactAttention:
             problems.append(f"attention type {impl.attn_type}")
         if problems:
             raise ValueError(f"exact mode in vLLM: {layer_name} has {', '.join(problems)}, which it does not implement")
-        if type(impl).__name__ != CPU_ATTENTION_IMPL:
+        if type(impl).__name__ not in KV_SPLITS:
             raise ValueError(
-                f"exact mode in vLLM keeps keys and values in the KV cache of vLLM's CPU attention backend; "
-                f"{layer_name} runs {type(impl).__name__}. On a GPU, sample exact mode with the hf engine "
-                "(--engine hf; make_engine(model, 'hf'))"
+                f"exact mode in vLLM reads the KV caches of {', '.join(KV_SPLITS)}; {layer_name} runs "
+                f"{type(impl).__name__}. Start vLLM with attention_backend={GPU_ATTENTION_BACKEND!r} "
+                "(VllmEngine does in exact mode) or sample with the hf engine (make_engine(model, 'hf'))"
             )
         self.original = impl
+        self.split = KV_SPLITS[type(impl).__name__]
         self.num_heads, self.num_kv_heads = impl.num_heads, impl.num_kv_heads
         self.head_size, self.scale = impl.head_size, float(impl.scale)
 
     def __getattr__(self, name):  # everything else vLLM asks of its impl (reload hooks, flags)
         return getattr(self.__dict__["original"], name)
 
-    @staticmethod
-    def _halves(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        blocks, heads, block_size, _ = kv_cache.shape
+    def _halves(self, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The key and value caches, each (blocks, kv heads, block size, head size), as views."""
+        blocks, heads, block_size, content = kv_cache.shape
+        if content != 2 * self.head_size:
+            raise ValueError(f"exact attention: a KV cache of {content} features per slot, not 2 x {self.head_size}")
+        if self.split == "features":
+            return kv_cache.split(self.head_size, dim=-1)
         return kv_cache.view(blocks, heads, 2 * block_size, -1).chunk(2, dim=2)
 
     def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
@@ -108,14 +120,14 @@ class ExactAttention:
         max_q, max_k = int(query_lens.max()), int(seq_lens.max())
 
         # queries padded to (B, H, max_q, D); keys and values of positions 0..max_k-1 of each sequence
-        q_index = torch.arange(max_q)
+        q_index = torch.arange(max_q, device=query.device)
         q_real = q_index[None] < query_lens[:, None]  # (B, max_q)
         rows = (starts[:-1, None] + q_index[None]).clamp(max=max(tokens - 1, 0))
         q = query[rows].transpose(1, 2)
         key_cache, value_cache = self._halves(kv_cache)
         block_size = key_cache.shape[2]
-        positions = torch.arange(max_k)
-        table = attn_metadata.block_table.long()
+        positions = torch.arange(max_k, device=query.device)
+        table = attn_metadata.block_table[: query_lens.numel()].long()
         blocks = table[:, (positions // block_size).clamp(max=table.shape[1] - 1)]  # (B, max_k)
         k = key_cache[blocks, :, positions % block_size].transpose(1, 2)  # (B, Hkv, max_k, D)
         v = value_cache[blocks, :, positions % block_size].transpose(1, 2)

@@ -3,6 +3,9 @@ decode, fused qkv/gate_up linears, its own sampler) is bitwise the one the exact
 recomputes for it teacher-forced in a packed GRPO group; also after a sync of new weights.
 A test that switches one of the patches off shows these inputs do tell the difference."""
 
+import itertools
+import types
+
 import pytest
 import torch
 
@@ -12,6 +15,7 @@ from jetrl_compile.rl.logprobs import group_logprobs
 from jetrl_compile.rl.loop import train
 from jetrl_compile.rollout import vllm_exact
 from jetrl_compile.rollout.engines import VllmEngine, make_engine
+from jetrl_compile.runtime import invariant
 from tests.conftest import VLLM_TINY, ByteTokenizer, requires_vllm, tiny_model
 from tests.rl.test_grpo import EarnableTask
 
@@ -116,12 +120,98 @@ def test_grpo_driver_exact_on_vllm_reports_zero_mismatch_every_step(tmp_path):
         assert row["mismatch_kl"] == 0.0 and row["logprob_abs_diff_max"] == 0.0, row
 
 
-def test_exact_attention_refuses_a_gpu_backends_kv_cache_by_name():
-    """Exact attention reads the CPU backend's KV cache layout; a GPU backend lays its cache out
-    otherwise, so it is refused with the way out (the hf engine), not misread."""
+def _impl(class_name, num_heads=4, num_kv_heads=2, head_size=8):
+    """A stand-in for a vLLM attention backend's impl: what ExactAttention reads of one."""
+    attrs = {"num_heads": num_heads, "num_kv_heads": num_kv_heads, "head_size": head_size, "scale": head_size**-0.5}
+    return type(class_name, (), attrs)()
 
-    class FlashAttentionImpl:
-        num_heads, num_kv_heads, head_size, scale = 4, 2, 64, 0.125
 
-    with pytest.raises(ValueError, match="layers.0.attn runs FlashAttentionImpl. On a GPU, sample exact mode"):
-        vllm_exact.ExactAttention(FlashAttentionImpl(), "layers.0.attn")
+def test_exact_attention_refuses_a_kv_cache_it_does_not_know_by_name():
+    """A backend whose cache layout ExactAttention does not know is refused with the way out,
+    not misread."""
+    with pytest.raises(ValueError, match="layers.0.attn runs FlashInferImpl. Start vLLM with attention_backend="):
+        vllm_exact.ExactAttention(_impl("FlashInferImpl"), "layers.0.attn")
+
+
+def _step(attn, kv_cache, seqs, tables, block_size, spans):
+    """One vLLM step through ``attn``: positions ``start:stop`` of each sequence are the queries
+    (a prefill, or one decode token each); returns their outputs, (tokens, H, D)."""
+    q, k, v, slots, query_lens, seq_lens = [], [], [], [], [], []
+    for (sq, sk, sv), table, (start, stop) in zip(seqs, tables, spans):
+        positions = torch.arange(start, stop)
+        q.append(sq[start:stop]), k.append(sk[start:stop]), v.append(sv[start:stop])
+        slots.append(torch.tensor(table)[positions // block_size] * block_size + positions % block_size)
+        query_lens.append(stop - start), seq_lens.append(stop)
+    q, k, v = torch.cat(q), torch.cat(k), torch.cat(v)
+    width = max(len(t) for t in tables)
+    meta = types.SimpleNamespace(
+        num_actual_tokens=q.shape[0], causal=True,
+        query_start_loc=torch.tensor([0, *itertools.accumulate(query_lens)], dtype=torch.int32),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        block_table=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32),
+    )
+    attn.do_kv_cache_update(None, k, v, kv_cache, torch.cat(slots).to(torch.int32))
+    return attn.forward(None, q, k, v, kv_cache, meta, torch.empty_like(q))
+
+
+def test_exact_attention_on_a_gpu_backends_kv_cache_is_the_cpu_ones_and_the_unpaged_function():
+    """On a GPU, exact mode's engine asks vLLM for its Triton attention backend, whose cache holds
+    each slot's key then its value (logically (blocks, kv heads, block size, 2 x head size), laid
+    out slot-major in memory). ExactAttention reads and writes that cache; a prefill then a decode
+    step of two sequences on scattered blocks give, bit for bit, what it gives on the CPU
+    backend's cache and what ``invariant.attention`` gives each sequence unpaged. The keys land
+    where vLLM's own kernels look for them (its ``kv_cache.transpose(1, 2).split(head_size, -1)``)."""
+    g = torch.Generator().manual_seed(0)
+    H, Hkv, D, block_size, blocks = 4, 2, 8, 4, 8
+    lengths, tables = (6, 10), ([5, 2], [7, 0, 3])
+    seqs = [tuple(torch.randn(n, heads, D, generator=g) for heads in (H, Hkv, Hkv)) for n in lengths]  # q, k, v
+    gpu_cache = torch.zeros(blocks, block_size, Hkv, 2 * D).transpose(1, 2)  # vLLM's slot-major layout (NHD)
+    cpu_cache = torch.zeros(blocks, Hkv, block_size, 2 * D)
+    outputs = {}
+    for name, cache in (("TritonAttentionImpl", gpu_cache), ("CPUAttentionBackendImpl", cpu_cache)):
+        attn = vllm_exact.ExactAttention(_impl(name, H, Hkv, D), "layers.0.attn")
+        prefill = _step(attn, cache, seqs, tables, block_size, spans=[(0, n - 1) for n in lengths])
+        decode = _step(attn, cache, seqs, tables, block_size, spans=[(n - 1, n) for n in lengths])
+        outputs[name] = prefill, decode
+    for gpu, cpu in zip(outputs["TritonAttentionImpl"], outputs["CPUAttentionBackendImpl"]):
+        assert torch.equal(gpu, cpu)
+
+    prefill, decode = outputs["TritonAttentionImpl"]
+    first = 0
+    for b, (sq, sk, sv) in enumerate(seqs):
+        n = sq.shape[0]
+        causal = torch.ones(n, n, dtype=torch.bool).tril()[None]
+        alone = invariant.attention(sq.transpose(0, 1)[None], sk.transpose(0, 1)[None], sv.transpose(0, 1)[None],
+                                    causal, D**-0.5)[0].transpose(0, 1)  # (n, H, D)
+        assert torch.equal(prefill[first : first + n - 1], alone[: n - 1])
+        assert torch.equal(decode[b], alone[n - 1])
+        first += n - 1
+
+    key_cache, value_cache = gpu_cache.transpose(1, 2).split(D, dim=-1)  # (blocks, block size, kv heads, D)
+    sk, sv = seqs[1][1], seqs[1][2]
+    for position in range(lengths[1]):
+        block, slot = tables[1][position // block_size], position % block_size
+        assert torch.equal(key_cache[block, slot], sk[position]) and torch.equal(value_cache[block, slot], sv[position])
+
+
+def test_an_exact_engine_on_a_gpu_asks_vllm_for_an_attention_backend_it_reads(tmp_path, monkeypatch):
+    """vLLM picks an attention backend by GPU (FlashInfer on some); an exact engine on CUDA names
+    one whose KV cache ExactAttention reads, beside its stated memory share."""
+    import vllm
+
+    class Started(Exception):
+        pass
+
+    def llm(**kwargs):
+        raise Started(kwargs)
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(vllm, "LLM", llm)
+    with pytest.raises(Started) as started:
+        VllmEngine(_exact(layers=1), workdir=tmp_path, max_model_len=256, gpu_memory=0.25)
+    kwargs = started.value.args[0]
+    assert kwargs["attention_backend"] == vllm_exact.GPU_ATTENTION_BACKEND and kwargs["gpu_memory_utilization"] == 0.25
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    for name in (vllm_exact.GPU_ATTENTION_BACKEND, "FLASH_ATTN"):  # vLLM's implementations of those backends
+        assert AttentionBackendEnum[name].get_class().get_impl_cls().__name__ in vllm_exact.KV_SPLITS
