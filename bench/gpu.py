@@ -22,7 +22,8 @@ order, each guarded so that one failure is reported and the rest still run:
    op on the FP8 payloads), vLLM's own online ``fp8_per_block``. Needs vLLM (``pip install vllm``);
    reported as skipped where it cannot import.
 6. ``mismatch``: k3 KL between the engine's and the trainer's logprobs of sampled tokens on the
-   GPU (``HfEngine``, the trainer's own model), for ``fp8_fwd_bf16_bwd`` as is and in exact mode
+   GPU (``HfEngine``, the trainer's own model; and vLLM in exact mode where it is installed), for
+   ``fp8_fwd_bf16_bwd`` as is and in exact mode
    (no float64 on a GPU: the Triton FP8 kernel's batch invariance for the quantized linears and
    ``triton_invariant``'s fixed-order kernels for ``lm_head``, norms, attention and log-softmax).
 
@@ -36,6 +37,8 @@ still leaves what it measured) and the raw numbers to ``OUT/gpu.json``.
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
+import importlib.util
 import json
 import os
 import statistics
@@ -369,8 +372,6 @@ def bench_decode(device, cfg: dict, batch: int, prompt: int, new_tokens: int, re
 
 def bench_rollout(device, cfg: dict, prompts: int, new_tokens: int, runs: int, report: Report,
                   fp8_kernel: bool) -> None:
-    import importlib.util
-
     if importlib.util.find_spec("vllm") is None:
         report.add("rollout", "skipped: vLLM is not installed here (`pip install vllm`); nothing else measures "
                    "rollout through the plugin", None)
@@ -468,22 +469,45 @@ def bench_mismatch(device, cfg: dict, prompts: int, n: int, new_tokens: int, rep
     g = torch.Generator().manual_seed(1)
     ids = [torch.randint(1, cfg["vocab_size"], (int(k),), generator=g).tolist()
            for k in torch.randint(8, 40, (prompts,), generator=g)]
+    eos = cfg["vocab_size"] + 1  # never sampled: every completion runs its full length
+
+    def vllm_engine(model):
+        import tempfile
+
+        from jetrl_compile.rollout.engines import VllmEngine
+
+        workdir = tempfile.mkdtemp(prefix="jetrl-gpu-mismatch-")
+        last = cfg["vocab_size"] - 1  # vLLM refuses a stop token outside the vocabulary; this one is rarely sampled
+        return VllmEngine(model, workdir=workdir, max_model_len=256, gpu_memory=0.4, eos_token_id=last, pad_token_id=0)
+
+    flows = [("fp8_fwd_bf16_bwd", False, "hf"), ("fp8_fwd_bf16_bwd, exact mode", True, "hf")]
+    if importlib.util.find_spec("vllm") is not None:
+        flows.append(("fp8_fwd_bf16_bwd, exact mode, vLLM", True, "vllm"))
     rows, data = [], {}
-    for name, exact in [("fp8_fwd_bf16_bwd", False), ("fp8_fwd_bf16_bwd, exact mode", True)]:
+    for name, exact, engine_name in flows:
         model = _llama(cfg, device, torch.float32).eval()
         jetrl_compile.unify(model, "fp8_fwd_bf16_bwd", mode="eager", exact=exact)  # exact mode runs eagerly
-        engine = HfEngine(model, eos_token_id=cfg["vocab_size"] + 1, pad_token_id=0)  # never sampled: full length
-        t0 = time.perf_counter()
-        metrics = rollout_mismatch(model, engine, ids, n=n, max_new_tokens=new_tokens, seed=0)
-        seconds = time.perf_counter() - t0
-        rows.append([name, f"{metrics['mismatch_kl']:.3g}", f"{metrics['logprob_abs_diff_max']:.3g}",
-                     f"{metrics['tokens']:.0f}", f"{seconds:.1f}"])
-        data[name] = {**metrics, "seconds": seconds}
+        engine = None
+        try:
+            engine = vllm_engine(model) if engine_name == "vllm" else HfEngine(model, eos_token_id=eos, pad_token_id=0)
+            t0 = time.perf_counter()
+            metrics = rollout_mismatch(model, engine, ids, n=n, max_new_tokens=new_tokens, seed=0)
+            seconds = time.perf_counter() - t0
+            rows.append([name, f"{metrics['mismatch_kl']:.3g}", f"{metrics['logprob_abs_diff_max']:.3g}",
+                         f"{metrics['tokens']:.0f}", f"{seconds:.1f}"])
+            data[name] = {**metrics, "seconds": seconds}
+        except Exception as e:  # noqa: BLE001 - one engine failing is a finding, not the end of the section
+            rows.append([name, f"error: {str(e).splitlines()[0][:100]}", "", "", ""])
+            data[name] = {"error": str(e)}
+        finally:
+            if engine is not None:
+                engine.close()
         print(rows[-1], flush=True)
         del model, engine
     md = table(["flow", "k3 KL", "max abs dlogp", "tokens", "seconds"], rows)
     md += (f"\n\nLlama config {cfg}, random FP32 master weights, {prompts} prompts x {n} samples x {new_tokens} "
-           f"tokens through HfEngine (KV-cache decode) against the eager trainer's packed teacher-forced forward. "
+           f"tokens through HfEngine (KV-cache decode) or in-process vLLM (its Triton attention backend's KV "
+           f"cache, read by exact mode's attention) against the eager trainer's packed teacher-forced forward. "
            f"FP8 GEMM: {kernels.kernel_name(device)}. Exact mode's other kernels: "
            f"{'Triton, fixed order (triton_invariant)' if invariant.uses_triton(device) else 'float64 fixed point'}. "
            "Exact mode must give 0 and 0.")
@@ -494,8 +518,6 @@ def bench_mismatch(device, cfg: dict, prompts: int, n: int, new_tokens: int, rep
 
 
 def _version(package: str) -> str:
-    import importlib.metadata
-
     try:
         return importlib.metadata.version(package)
     except importlib.metadata.PackageNotFoundError:

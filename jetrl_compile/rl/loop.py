@@ -342,11 +342,8 @@ def _setup(cfg: GrpoConfig, model, tokenizer, task, device: str = "cpu"):
 
 def _engine(model, tokenizer, cfg: GrpoConfig, workdir: Path, pad: int, ranks: Ranks = ONE_PROCESS, **kwargs):
     hf_tokenizer = tokenizer if hasattr(tokenizer, "save_pretrained") else None  # vLLM saves a real one
-    engine = cfg.engine
-    if engine == "auto" and cfg.exact and next(model.parameters()).device.type == "cuda":
-        engine = "hf"  # vLLM's exact attention knows the CPU backend's KV cache only (docs/design.md, 9)
     # under --parallel, a vLLM engine per rank joins the torchrun world (external_launcher)
-    return make_engine(model, engine, tokenizer=hf_tokenizer, workdir=workdir, gpu_memory=cfg.vllm_memory,
+    return make_engine(model, cfg.engine, tokenizer=hf_tokenizer, workdir=workdir, gpu_memory=cfg.vllm_memory,
                        eos_token_id=tokenizer.eos_token_id, pad_token_id=pad, **kwargs)
 
 
