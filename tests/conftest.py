@@ -82,6 +82,12 @@ def tiny_model(family: str = "llama", layers: int = 1, seed: int = 0, dtype=torc
     return model.to(dtype)
 
 
+def token_ids(batch: int = 2, length: int = 32, seed: int = 0, vocab: int = 256) -> torch.Tensor:
+    """A (batch, length) batch of random token ids for the tiny models, fixed by ``seed``."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab, (batch, length), generator=g)
+
+
 def assert_within_gemm_definition(got, a, b):
     """``got`` is ``bf16(a @ b^T)`` (float64 operands holding the GEMM's BF16 values) up to one
     rounding to BF16 (relative 2**-8) and float32 summation in any order, at most
