@@ -14,10 +14,11 @@ environment alone (``ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2``) reaches
 
 So the simulation sets both variables and also makes those ``torch.cpu`` probes answer as an
 AVX2-only CPU would, in this process and in every process it starts that imports this module
-(the test ranks' fork server does). It must run before ``jetrl_compile`` is imported (the GEMM
-path is probed at import) and before torch is, for ``ATEN_CPU_CAPABILITY``: ``tests/conftest.py``
-calls it first. Inductor's compiled kernels go to their own cache folder: a kernel compiled
-under another ``ATEN_CPU_CAPABILITY`` would be reused, with wrong results (docs/design.md).
+(the test ranks' fork server does; so does a script started through ``script_command``). It
+must run before ``jetrl_compile`` is imported (the GEMM path is probed at import) and before
+torch is, for ``ATEN_CPU_CAPABILITY``: ``tests/conftest.py`` calls it first. Inductor's compiled
+kernels go to their own cache folder: a kernel compiled under another ``ATEN_CPU_CAPABILITY``
+would be reused, with wrong results (docs/design.md).
 What it cannot change: the instructions the CPU has (a kernel that would fault on AVX2 runs) and
 BLAS (MKL or OpenBLAS pick their own code path; they compute FP32 GEMMs either way).
 """
@@ -25,6 +26,8 @@ BLAS (MKL or OpenBLAS pick their own code path; they compute FP32 GEMMs either w
 from __future__ import annotations
 
 import os
+import runpy
+import sys
 import tempfile
 
 SIMULATE = "JETRL_TEST_CPU"
@@ -55,3 +58,19 @@ def simulate_from_environment() -> str | None:
 
 def _no() -> bool:
     return False
+
+
+def script_command(script: str, *args: str) -> list[str]:
+    """The command that runs the Python ``script`` in a child process as the CPU kind of this run:
+    under ``JETRL_TEST_CPU`` through this module (``python -m tests.cpu_kind SCRIPT ARGS``), so
+    that vLLM's probes in the child answer as the simulated CPU's too; otherwise the script
+    itself. The child must run from the repository root."""
+    if os.environ.get(SIMULATE):
+        return [sys.executable, "-m", "tests.cpu_kind", script, *args]
+    return [sys.executable, script, *args]
+
+
+if __name__ == "__main__":  # python -m tests.cpu_kind SCRIPT ARGS: SCRIPT run as the simulated CPU kind
+    simulate_from_environment()
+    sys.argv = sys.argv[1:]
+    runpy.run_path(sys.argv[0], run_name="__main__")

@@ -10,6 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.cpu_kind import script_command
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -24,8 +26,8 @@ def test_gpu_sh_refuses_without_cuda(tmp_path):
 
 
 def _gpu_py(tmp_path, *args):
-    return subprocess.run([sys.executable, str(ROOT / "bench" / "gpu.py"), "--smoke", "--out", str(tmp_path), *args],
-                          capture_output=True, text=True, timeout=600, cwd=ROOT)
+    command = script_command(str(ROOT / "bench" / "gpu.py"), "--smoke", "--out", str(tmp_path), *args)
+    return subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=ROOT)
 
 
 def test_gpu_py_smoke_runs_every_section_on_cpu(tmp_path):
