@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import re
+import sys
 import warnings
 
 # Log records and warnings hidden by default, as regular expressions searched in the message.
@@ -42,7 +43,8 @@ KNOWN_HARMLESS = (
     r"CPU backend doesn't allow to use `torch\.set_num_threads`",
     r"RotaryEmbedding: Failed to load weights",  # rotary tables are computed, not loaded
     # a model whose head is tied to its embeddings (SmolLM2): the sync loads the embedding, the head
-    # shares it, and vLLM's layerwise reload reports the head as not loaded on every sync
+    # shares it, and vLLM's layerwise reload reports the head as not loaded on every sync (the sync
+    # then repacks the head's CPU GEMM itself: _vllm_compat.repack_cpu_gemms)
     r"ParallelLMHead: Failed to load weights",
 )
 _PATTERN = re.compile("|".join(f"(?:{p})" for p in KNOWN_HARMLESS))
@@ -80,12 +82,12 @@ def quiet_console(verbose: bool = False, fmt: str = "[%(name)s] %(message)s") ->
         logging.getLogger(name).setLevel(logging.WARNING)
     for message in KNOWN_HARMLESS:
         warnings.filterwarnings("ignore", message=f".*{message}")
-    try:
+    if "transformers" in sys.modules:
         from transformers.utils import logging as transformers_logging
 
         transformers_logging.disable_progress_bar()
-    except ImportError:
-        pass
+    else:  # read when transformers is imported; importing it now would cost a refused flag seconds
+        os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     # torch prints through a handler of its own on the "torch" logger
     for name in ("", "torch"):
         for handler in logging.getLogger(name).handlers:

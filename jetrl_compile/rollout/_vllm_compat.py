@@ -16,6 +16,8 @@ import logging
 import os
 from pathlib import Path
 
+import torch
+
 log = logging.getLogger("jetrl_compile")
 
 WRITTEN_FOR = "0.32.0"
@@ -102,6 +104,37 @@ def reload_weights(llm, tensors=None, *, folder: str | None = None) -> None:
         llm.collective_rpc("reload_weights", kwargs=kwargs)
     except AttributeError as e:
         raise _changed("LLM.collective_rpc('reload_weights')", e) from e
+
+
+def repack_cpu_gemms(llm) -> int:
+    """Repack the weights vLLM's CPU GEMMs multiply, from the parameters as they are now; returns
+    how many layers were repacked. Call after every in-place reload.
+
+    On the CPU an unquantized layer that keeps its weight (the embedding, the LM head) multiplies
+    a copy packed when the layer was processed (``layer.cpu_linear``: a oneDNN handle, or
+    sgl-kernel's packed weight). vLLM's in-place reload re-processes every layer it loads, but
+    not one whose weight belongs to another layer: a head tied to the embeddings loads nothing
+    (vLLM logs "ParallelLMHead: Failed to load weights"), so its GEMM kept multiplying the
+    weights the engine was started with while the embedding's tensor followed every sync. A
+    long-lived engine then computed other logits than a fresh engine on the same weights (the
+    cause of resumed runs leaving uninterrupted ones). The handles are remade here, in vLLM's
+    worker (``collective_rpc`` takes the function to it in its own process too)."""
+    try:
+        return sum(llm.collective_rpc(_repack_cpu_gemms_in_worker))
+    except AttributeError as e:
+        raise _changed("LLM.collective_rpc(callable) / worker.model_runner.model", e) from e
+
+
+def _repack_cpu_gemms_in_worker(wrapper) -> int:
+    model = getattr(wrapper, "worker", wrapper).model_runner.model
+    repacked = 0
+    for layer in model.modules():
+        weight = getattr(layer, "weight", None)
+        # a layer whose packed copy replaced its weight (remove_weight=True) was re-processed by the reload
+        if hasattr(layer, "cpu_linear") and isinstance(weight, torch.Tensor) and weight.numel():
+            layer.quant_method.process_weights_after_loading(layer)
+            repacked += 1
+    return repacked
 
 
 def shutdown(llm, *, keep_default_group: bool = False) -> None:

@@ -74,6 +74,15 @@ class RolloutEngine:
 
 # the vLLM logprobs an engine reports: before any sampling processor, or after temperature
 LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")
+# vLLM reserves KV cache for a whole context: the model's, capped here (a rollout needs far less)
+MAX_MODEL_LEN = 2048
+# the KV cache of an engine on the CPU, in GiB (VLLM_CPU_KVCACHE_SPACE)
+CPU_KV_CACHE_GIB = 1
+
+
+def default_max_model_len(max_position_embeddings: int | None) -> int:
+    """The context an engine is started with: the model's, at most ``MAX_MODEL_LEN``."""
+    return min(int(max_position_embeddings or MAX_MODEL_LEN), MAX_MODEL_LEN)
 
 
 def vllm_available() -> bool:
@@ -128,7 +137,7 @@ class VllmEngine(RolloutEngine):
         workdir: str | Path | None = None,
         max_model_len: int | None = None,
         max_num_batched_tokens: int = 16384,
-        kv_cache_gib: int = 1,
+        kv_cache_gib: int = CPU_KV_CACHE_GIB,
         gpu_memory: float = 0.3,
         enforce_eager: bool = True,
         seed: int = 0,
@@ -170,7 +179,7 @@ class VllmEngine(RolloutEngine):
             eos_token_id if eos_token_id is not None else _first(getattr(model.config, "eos_token_id", None))
         )
         if max_model_len is None:  # the model's context, capped: vLLM reserves KV cache for it
-            max_model_len = min(int(getattr(model.config, "max_position_embeddings", 2048)), 2048)
+            max_model_len = default_max_model_len(getattr(model.config, "max_position_embeddings", None))
         self.dtype = engine_dtype(model, dtype)
         self.exact = is_exact(model)
         if self.exact and not in_process:
@@ -304,7 +313,9 @@ class VllmEngine(RolloutEngine):
 
     def sync(self, model: nn.Module) -> float:
         """Push the trainer's current rollout weights (all shards and scales of every layer
-        together) into the running engine, in place; then drop cached prefixes."""
+        together) into the running engine, in place, and repack what vLLM's CPU GEMMs multiply
+        from them; then drop cached prefixes. The engine then computes what a fresh engine
+        started from the same weights would, bit for bit."""
         signature = _tensor_signature(model)
         if signature != self._signature:
             diff = sorted(set(signature.items()) ^ set(self._signature.items()))[:3]
@@ -319,6 +330,7 @@ class VllmEngine(RolloutEngine):
         else:  # the engine's process reads the new weights from the export folder it loaded
             write_weights(self.export_dir, tensors)
             _vllm_compat.reload_weights(self.llm, folder=self.export_dir)
+        _vllm_compat.repack_cpu_gemms(self.llm)  # a tied LM head's packed copy, which the reload leaves stale
         if self._exact is not None:
             self._exact.refresh()
         self.llm.reset_prefix_cache()
