@@ -9,9 +9,11 @@ A flow is a recipe, with optional ``+exact`` (exact mode, ``--exact``) and ``+ti
 (that rollout correction, ``--rollout-correction``; its bounds from ``--is-clip``, ``--is-low``),
 e.g. ``fp8_rollout_only+tis``. Each flow and seed trains in
 ``--out/<flow>/seed<k>`` (its own metrics.jsonl and checkpoints); a run found complete there is
-read back, not retrained, and an interrupted one resumes from its last checkpoint, so the whole
-comparison can be restarted after a crash. The result is ``--out/compare.png`` (mean over seeds
-with the min..max band) and ``--out/compare.md``. The other flags are train_grpo.py's.
+read back, not retrained, and an interrupted one resumes from its last checkpoint (one killed
+before its first checkpoint starts over), so the whole comparison can be restarted after a crash.
+Each flow runs the driver's own trainer (``--trainer-mode auto``: compiled, eager in exact mode),
+which the table names. The result is ``--out/compare.png`` (mean over seeds with the min..max
+band) and ``--out/compare.md``. The other flags are train_grpo.py's.
 """
 
 import argparse
@@ -24,7 +26,7 @@ from pathlib import Path
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 from jetrl_compile.console import quiet_console
-from jetrl_compile.errors import UsageValueError, command_line_errors
+from jetrl_compile.errors import CommandLineParser, UsageValueError, command_line_errors
 from jetrl_compile.recipes import RECIPES
 from jetrl_compile.rl.checkpoint import latest_checkpoint
 from jetrl_compile.rl.config import GrpoConfig, add_arguments, config_from_args
@@ -42,11 +44,9 @@ def flow_config(base: GrpoConfig, flow: str) -> GrpoConfig:
             f"flow {flow!r}: write a recipe ({', '.join(RECIPES)}) with optional +exact and one of +tis, +mis"
         )
     correction = next((m for m in modifiers if m in ("tis", "mis")), base.rollout_correction)
-    # one trainer mode for every flow, so that flows differ only in what they name: exact flows
-    # need the eager trainer, so --trainer-mode auto means eager here
-    mode = "eager" if base.trainer_mode == "auto" else base.trainer_mode
+    # the trainer mode stays the driver's (auto: compiled, eager for exact flows); the table says which ran
     return dataclasses.replace(base, recipe=recipe, exact=base.exact or "exact" in modifiers,
-                               rollout_correction=correction, trainer_mode=mode)
+                               rollout_correction=correction)
 
 
 def run(base: GrpoConfig, flow: str, seed: int, out: Path) -> list[dict]:
@@ -57,9 +57,9 @@ def run(base: GrpoConfig, flow: str, seed: int, out: Path) -> list[dict]:
     if metrics.exists() and len(read_metrics(metrics)) >= cfg.steps:
         print(f"== {flow}, seed {seed}: complete in {out}, read back ==", flush=True)
         return read_metrics(metrics)[: cfg.steps]
-    resume = latest_checkpoint(out) is not None
+    resume = latest_checkpoint(out) is not None  # else a run killed before its first checkpoint, or none
     print(f"== {flow}, seed {seed}{' (resuming)' if resume else ''} ==", flush=True)
-    train(dataclasses.replace(cfg, resume=resume))
+    train(dataclasses.replace(cfg, resume=resume, overwrite=not resume))
     return read_metrics(metrics)
 
 
@@ -69,26 +69,28 @@ def _spread(values: list[float], fmt: str) -> str:
     return mean if len(values) == 1 else f"{mean} ({format(min(values), fmt)}..{format(max(values), fmt)})"
 
 
-def summarize(flow: str, seeds: list[list[dict]], window: int) -> list:
+def summarize(flow: str, trainer: str, seeds: list[list[dict]], window: int) -> list:
     def window_mean(key, rows, part):
         part_rows = rows[:window] if part == "head" else rows[-window:]
         return statistics.fmean(r[key] for r in part_rows)
 
+    def finite(key):  # a refused step's non-finite values are null in metrics.jsonl
+        return [row[key] for rows in seeds for row in rows if row.get(key) is not None]
+
     reward = [(window_mean("reward_mean", r, "head"), window_mean("reward_mean", r, "tail")) for r in seeds]
     accuracy = [(window_mean("accuracy", r, "head"), window_mean("accuracy", r, "tail")) for r in seeds]
-    all_rows = [row for rows in seeds for row in rows]
     return [
-        f"`{flow}`", len(seeds), len(seeds[0]),
+        f"`{flow}`", trainer, len(seeds), len(seeds[0]),
         f"{_spread([a for a, _ in reward], '.3f')} -> {_spread([b for _, b in reward], '.3f')}",
         f"{_spread([a for a, _ in accuracy], '.2f')} -> {_spread([b for _, b in accuracy], '.2f')}",
-        f"{statistics.median(r['mismatch_kl'] for r in all_rows):.2e}",
-        f"{max(r['logprob_abs_diff_max'] for r in all_rows):.3g}",
-        f"{statistics.median(r['step_s'] for r in all_rows):.1f}",
+        f"{statistics.median(finite('mismatch_kl')):.2e}",
+        f"{max(finite('logprob_abs_diff_max')):.3g}",
+        f"{statistics.median(finite('step_s')):.1f}",
     ]
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = CommandLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(parser, GrpoConfig(out="runs/compare"))
     parser.add_argument("--recipes", nargs="+", default=FLOWS,
                         help=f"flows to compare, recipe[+exact][+tis|+mis] (default: {' '.join(FLOWS)})")
@@ -112,10 +114,12 @@ def compare(args):
     plot_seed_bands(runs, out / "compare.png",
                     title=f"GRPO, {base.task}, seeds {', '.join(map(str, seeds))}: mean and min..max over seeds")
     window = max(1, min(5, base.steps // 4))
-    header = ["flow", "seeds", "steps", f"reward (first {window} -> last {window} steps)", "accuracy",
+    header = ["flow", "trainer", "seeds", "steps", f"reward (first {window} -> last {window} steps)", "accuracy",
               "median k3 KL", "max abs dlogp (any step)", "median step s"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    lines += ["| " + " | ".join(str(c) for c in summarize(flow, rows, window)) + " |" for flow, rows in runs.items()]
+    trainers = {flow: flow_config(base, flow).resolved_trainer_mode() for flow in runs}
+    lines += ["| " + " | ".join(str(c) for c in summarize(flow, trainers[flow], rows, window)) + " |"
+              for flow, rows in runs.items()]
     text = "\n".join(lines) + "\n"
     note = "Reward and accuracy: mean over seeds of the window means, (min..max) across seeds."
     (out / "compare.md").write_text(

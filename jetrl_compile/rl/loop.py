@@ -30,19 +30,20 @@ from pathlib import Path
 
 import torch
 
-from ..errors import UsageFileExistsError, UsageFileNotFoundError
+from ..errors import UsageValueError
 from ..models import load_model
 from ..rollout.engines import Completion, make_engine
 from ..unify import unify
 from . import parallel
 from .checkpoint import latest_checkpoint, load_checkpoint, restore_rng, rng_state, save_checkpoint
-from .config import GrpoConfig
+from .config import EVAL_OWN, GrpoConfig
 from .grpo import clipped_policy_loss, group_advantages
 from .logprobs import group_logprobs
 from .mismatch import mismatch_metrics
 from .parallel import ONE_PROCESS, Ranks
 from .plot import plot_metrics
 from .report import make_report
+from .run_folder import check_run_folder, clear_run, finite_row, json_text
 from .tasks import Problem, Task, make_task
 
 log = logging.getLogger("jetrl_compile.grpo")
@@ -61,7 +62,25 @@ class UpdateStats:
 
 
 class EngineFailure(RuntimeError):
-    pass
+    """The rollout engine could not generate. ``transient``: a failure of the engine itself (its
+    process, memory, a connection), which a fresh engine may not meet, so a resume can help; a
+    refused request or an error the retry met again would come back on resume."""
+
+    def __init__(self, message: str, transient: bool):
+        super().__init__(message)
+        self.transient = transient
+
+
+# what an engine raises when it refuses the request itself (vLLM's validation of its sampling
+# parameters and prompt lengths): asking again, now or after a resume, gets the same answer
+ENGINE_REFUSALS = (ValueError, TypeError)
+# what a failing engine (not request) raises: its process died, memory ran out, a connection broke
+ENGINE_FAILURES = (OSError, MemoryError, TimeoutError)
+ENGINE_FAILURE_NAMES = ("EngineDeadError", "OutOfMemoryError")  # vLLM's, torch's (a RuntimeError)
+
+
+def _engine_itself_failed(error: BaseException) -> bool:
+    return isinstance(error, ENGINE_FAILURES) or type(error).__name__ in ENGINE_FAILURE_NAMES
 
 
 def sample_prompts(task: Task, tokenizer, batch_size: int) -> tuple[list[Problem], list[list[int]]]:
@@ -70,17 +89,27 @@ def sample_prompts(task: Task, tokenizer, batch_size: int) -> tuple[list[Problem
 
 
 def rollout(engine, prompts, cfg: GrpoConfig, step: int, counters: dict, rank: int = 0) -> list[list[Completion]]:
-    """G completions per prompt; an engine error is retried once, then raised as EngineFailure."""
+    """G completions per prompt. A refused request raises EngineFailure at once; any other engine
+    error is retried once, then raised as EngineFailure (transient where the engine itself failed,
+    or the retry failed otherwise than the first try)."""
     seed = cfg.seed * 1_000_003 + step * 10_007 + rank * 7_919
+    first = None
     for attempt in (1, 2):
         try:
             return engine.generate(prompts, n=cfg.group_size, max_new_tokens=cfg.max_new_tokens,
                                    temperature=cfg.temperature, seed=seed)
         except Exception as e:  # noqa: BLE001 - any engine error: retry once, then stop cleanly
+            if isinstance(e, ENGINE_REFUSALS):
+                raise EngineFailure(f"rollout engine {engine.name} refused step {step + 1}'s request: "
+                                    f"{type(e).__name__}: {e}", transient=False) from e
             counters["engine_retries"] += 1
             log.warning("rollout engine %s failed at step %d (attempt %d): %s", engine.name, step + 1, attempt, e)
-            if attempt == 2:
-                raise EngineFailure(f"rollout engine {engine.name} failed twice at step {step + 1}: {e}") from e
+            if attempt == 1:
+                first = (type(e), str(e))
+                continue
+            again = first == (type(e), str(e))
+            raise EngineFailure(f"rollout engine {engine.name} failed twice at step {step + 1}: {e}",
+                                transient=_engine_itself_failed(e) or not again) from e
     raise AssertionError("unreachable")
 
 
@@ -163,16 +192,11 @@ def _first_difference(rollout, trainer, where) -> tuple[int, int, int] | None:
 
 def train(cfg: GrpoConfig, *, model=None, tokenizer=None, task: Task | None = None,
           progress: bool = True) -> list[dict]:
-    """Run GRPO as ``cfg`` says; returns the metrics of the steps run in this call."""
-    out = Path(cfg.out)
-    # what is wrong with --out or its checkpoint stops the run before a model loads
-    found = latest_checkpoint(out)
-    if cfg.resume and found is None:
-        raise UsageFileNotFoundError(f"--resume: no checkpoint in {out / 'checkpoints'}; run without --resume to start")
-    if not cfg.resume and found is not None:
-        raise UsageFileExistsError(
-            f"{out} already holds a run (checkpoints/); pass --resume to continue it or choose another --out"
-        )
+    """Run GRPO as ``cfg`` says; returns the metrics of the steps run in this call. What is wrong
+    with the paths, ``--out`` or the task's data stops it before a model loads or a file is written."""
+    cfg.check_paths(model=model is None)
+    found = check_run_folder(cfg.out, resume=cfg.resume, overwrite=cfg.overwrite, steps=cfg.steps)
+    task = task or make_task(cfg.task, seed=cfg.seed, data=cfg.data, difficulty=cfg.difficulty)
     ranks = parallel.start(cfg.parallel, cfg.batch_size, cfg.resolved_device())
     try:
         return _train(cfg, ranks, found, model, tokenizer, task, progress)
@@ -183,6 +207,9 @@ def train(cfg: GrpoConfig, *, model=None, tokenizer=None, task: Task | None = No
 def _train(cfg: GrpoConfig, ranks: Ranks, found: Path | None, model, tokenizer, task, progress: bool) -> list[dict]:
     out = Path(cfg.out)
     state = load_checkpoint(found, cfg.run_defining(), ranks.world) if cfg.resume else None
+    if cfg.overwrite and ranks.main:
+        gone = clear_run(out)
+        log.info("--overwrite: deleted %s from %s", ", ".join(gone) or "nothing", out)
     out.mkdir(parents=True, exist_ok=True)
     metrics_path = out / "metrics.jsonl"
     torch.manual_seed(cfg.seed)
@@ -208,7 +235,7 @@ def _train(cfg: GrpoConfig, ranks: Ranks, found: Path | None, model, tokenizer, 
         metrics_path.write_text("")
     if ranks.main:
         settings = {**cfg.to_dict(), "trainer_mode": mode, "device": ranks.device}  # as it runs, not "auto"
-        (out / "config.json").write_text(json.dumps(settings, indent=2))
+        (out / "config.json").write_text(json_text(settings, indent=2))
 
     report = make_report(cfg.report_to if ranks.main else "none", out)
     engine = _engine(model, tokenizer, cfg, out / (f"engine-rank{ranks.rank}" if ranks.distributed else "engine"),
@@ -269,7 +296,7 @@ def _train(cfg: GrpoConfig, ranks: Ranks, found: Path | None, model, tokenizer, 
                     row["eval_accuracy"] = evaluated
                 report.log(row, done)
                 with metrics_path.open("a") as f:
-                    f.write(json.dumps(row) + "\n")
+                    f.write(json_text(finite_row(row)) + "\n")
                 new_metrics.append(row)
                 if bar is not None:
                     bar.update(1)
@@ -282,7 +309,10 @@ def _train(cfg: GrpoConfig, ranks: Ranks, found: Path | None, model, tokenizer, 
     except KeyboardInterrupt:
         raise SystemExit(f"interrupted: {checkpoint_on_failure()}; continue with --resume") from None
     except EngineFailure as e:
-        raise SystemExit(f"{e}\n{checkpoint_on_failure()}; continue with --resume") from e
+        if e.transient:
+            raise SystemExit(f"{e}\n{checkpoint_on_failure()}; continue with --resume") from e
+        raise SystemExit(f"{e}\n{checkpoint_on_failure()}. The engine would answer a resume the same way: "
+                         "fix the cause first (run with --verbose for the engine's log)") from e
     finally:
         if bar is not None:
             bar.close()
@@ -332,7 +362,6 @@ def _setup(cfg: GrpoConfig, model, tokenizer, task, device: str = "cpu"):
     """What training and evaluation both start from: the model with FP32 master weights (every
     GEMM runs from the recipe's BF16/FP8 copies) on ``device``, its tokenizer, the task and the
     pad token."""
-    task = task or make_task(cfg.task, seed=cfg.seed, data=cfg.data, difficulty=cfg.difficulty)  # bad data: no load
     if model is None:
         model, tokenizer = load_model(cfg.model, dtype=torch.float32)
     model.float().to(device)
@@ -383,11 +412,18 @@ def greedy_accuracy(engine, task: Task, tokenizer, cfg: GrpoConfig) -> tuple[flo
 
 def evaluate(cfg: GrpoConfig, *, model=None, tokenizer=None, task: Task | None = None) -> dict:
     """Greedy accuracy on the task's held-out split (``cfg.limit`` problems), with the latest
-    checkpoint in ``cfg.out`` if there is one."""
-    model, tokenizer, task, pad = _setup(cfg, model, tokenizer, task, cfg.resolved_device())
+    checkpoint in ``cfg.out`` if there is one (of the run ``cfg`` describes, but for the settings
+    an evaluation may choose itself: ``EVAL_OWN``)."""
+    cfg.check_paths(model=model is None)
+    task = task or make_task(cfg.task, seed=cfg.seed, data=cfg.data, difficulty=cfg.difficulty)
+    if not task.eval_problems(1):
+        raise UsageValueError(f"--task {cfg.task}: the held-out split has no problems to evaluate")
     path = latest_checkpoint(cfg.out)
-    if path is not None:
-        model.load_state_dict(load_checkpoint(path, cfg.run_defining())["model"])
+    weights_of = {k: v for k, v in cfg.run_defining().items() if k not in EVAL_OWN}
+    state = load_checkpoint(path, weights_of) if path is not None else None
+    model, tokenizer, task, pad = _setup(cfg, model, tokenizer, task, cfg.resolved_device())
+    if state is not None:
+        model.load_state_dict(state["model"])
     unify(model, cfg.recipe, mode="eager", exact=cfg.exact)
     engine = _engine(model, tokenizer, cfg, Path(cfg.out) / "eval-engine", pad)
     try:
@@ -397,5 +433,5 @@ def evaluate(cfg: GrpoConfig, *, model=None, tokenizer=None, task: Task | None =
     result = {"accuracy": accuracy, "problems": problems, "checkpoint": str(path) if path else None,
               "recipe": cfg.recipe, "task": cfg.task}
     Path(cfg.out).mkdir(parents=True, exist_ok=True)
-    (Path(cfg.out) / "eval.json").write_text(json.dumps(result, indent=2))
+    (Path(cfg.out) / "eval.json").write_text(json_text(result, indent=2))
     return result

@@ -3,11 +3,17 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 
 def read_metrics(path: str | Path) -> list[dict]:
     return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+def _series(rows: list[dict], key: str) -> list[float]:
+    """``key`` of every row; NaN (a gap in the line) where the row holds null (a non-finite value)."""
+    return [math.nan if r[key] is None else r[key] for r in rows]
 
 
 def plot_runs(runs: dict[str, list[dict]], png: str | Path, title: str = "") -> Path:
@@ -24,9 +30,9 @@ def plot_runs(runs: dict[str, list[dict]], png: str | Path, title: str = "") -> 
             continue
         color = f"C{i}"
         steps = [r["step"] for r in rows]
-        ax_r.plot(steps, [r["reward_mean"] for r in rows], color=color, label=f"{name} reward")
-        ax_r.plot(steps, [r["accuracy"] for r in rows], color=color, linestyle="--", label=f"{name} accuracy")
-        kl = [max(r["mismatch_kl"], 1e-12) for r in rows]
+        ax_r.plot(steps, _series(rows, "reward_mean"), color=color, label=f"{name} reward")
+        ax_r.plot(steps, _series(rows, "accuracy"), color=color, linestyle="--", label=f"{name} accuracy")
+        kl = [max(v, 1e-12) if math.isfinite(v) else v for v in _series(rows, "mismatch_kl")]
         ax_k.plot(steps, kl, color=color, label=name)
     ax_r.set(xlabel="step", ylabel="reward / accuracy", title="reward (solid), accuracy (dashed)")
     ax_k.set(xlabel="step", ylabel="k3 KL(rollout || trainer)", title="rollout/trainer mismatch", yscale="log")

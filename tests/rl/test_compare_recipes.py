@@ -42,16 +42,20 @@ def test_an_incomplete_run_trains_in_exact_mode_with_its_seed(tmp_path, monkeypa
     monkeypatch.setattr(compare, "train", fake_train)
     compare.run(GrpoConfig(steps=2), "jetrl+exact", 2, tmp_path / "run")
     assert (seen[0].recipe, seen[0].exact, seen[0].seed, seen[0].resume) == ("jetrl", True, 2, False)
+    assert seen[0].overwrite  # no checkpoint: a run killed before its first one starts over
 
 
 def test_summary_spreads_over_seeds_and_plot_is_written(tmp_path):
     compare = _compare()
     runs = {"fp8_fwd_bf16_bwd+exact": [_rows(8, 0.1, 0.0), _rows(8, 0.3, 0.0)],
             "fp8_rollout_only": [_rows(8, 0.2, 0.05), _rows(8, 0.2, 0.07)]}
-    row = compare.summarize("fp8_fwd_bf16_bwd+exact", runs["fp8_fwd_bf16_bwd+exact"], window=2)
-    assert row[1:3] == [2, 8]
-    assert row[3] == "0.250 (0.150..0.350) -> 0.850 (0.750..0.950)"
-    assert row[5] == "0.00e+00" and row[6] == "0"
+    row = compare.summarize("fp8_fwd_bf16_bwd+exact", "eager", runs["fp8_fwd_bf16_bwd+exact"], window=2)
+    assert row[1:4] == ["eager", 2, 8]
+    assert row[4] == "0.250 (0.150..0.350) -> 0.850 (0.750..0.950)"
+    assert row[6] == "0.00e+00" and row[7] == "0"
+    refused = _rows(8, 0.1, 0.05)
+    refused[3]["mismatch_kl"] = None  # a refused step's non-finite value, null in metrics.jsonl
+    assert compare.summarize("bf16", "compile", [refused], window=2)[6] == "5.00e-02"
     png = plot_seed_bands(runs, tmp_path / "compare.png", title="t")
     assert png.stat().st_size > 10_000
 
@@ -64,8 +68,9 @@ def test_flows_name_recipe_exact_mode_and_rollout_correction():
     both = compare.flow_config(base, "jetrl+exact+mis")
     assert (both.recipe, both.exact, both.rollout_correction) == ("jetrl", True, "mis")
     assert compare.flow_config(base, "bf16").rollout_correction == "none"
-    # every flow trains eagerly (exact flows must), so flows differ only in what they name
-    assert {compare.flow_config(base, f).resolved_trainer_mode() for f in ("bf16", "jetrl+exact")} == {"eager"}
+    # the driver's trainer: compiled, eager where exact mode needs it (the table names it)
+    assert [compare.flow_config(base, f).resolved_trainer_mode() for f in ("bf16", "jetrl+exact")] == [
+        "compile", "eager"]
     for bad in ("fp8", "bf16+tis+mis", "bf16+fast"):
         with pytest.raises(ValueError, match="flow .*: write a recipe"):
             compare.flow_config(base, bad)

@@ -187,6 +187,10 @@ def test_nan_step_is_refused_and_changes_nothing(tmp_path):
     cfg2 = _cfg(tmp_path, steps=2, resume=True)
     model2, metrics = _run(cfg2, task=PoisonedTask(seed=0))
     assert metrics[0]["refused"] and metrics[0]["refused_steps"] == 1
+    assert math.isnan(metrics[0]["loss"])
+    line = (Path(cfg.out) / "metrics.jsonl").read_text().splitlines()[-1]
+    written = json.loads(line, parse_constant=lambda name: pytest.fail(f"{name} is not JSON: {line}"))
+    assert written["loss"] is None and "loss" in written["non_finite"]
     for k, v in model2.state_dict().items():
         assert torch.equal(v, before[k]), k
     opt_after = torch.load(latest_checkpoint(cfg.out), weights_only=False)["optimizer"]
@@ -221,9 +225,44 @@ def test_engine_error_is_retried_once_then_stops_with_a_checkpoint(tmp_path, mon
 
     monkeypatch.setattr(loop, "make_engine", lambda *a, **kw: FlakyEngine(real(*a, **kw), failures=99))
     cfg = _cfg(tmp_path / "always", steps=2)
-    with pytest.raises(SystemExit, match="failed twice at step 1: engine fell over"):
+    with pytest.raises(SystemExit, match="failed twice at step 1: engine fell over") as stopped:
         _run(cfg)
     assert latest_checkpoint(cfg.out).name == "step_000000.pt"
+    # the same error twice: a resume would meet it again, so no advice to resume
+    assert "--resume" not in str(stopped.value) and "fix the cause first" in str(stopped.value)
+
+
+class DeadEngine(FlakyEngine):
+    """Its engine process is gone: every call fails as vLLM's engine client does then."""
+
+    def generate(self, *a, **kw):
+        raise BrokenPipeError("engine core process died")
+
+
+class RefusingEngine(FlakyEngine):
+    """Refuses the request itself, as vLLM's SamplingParams validation does."""
+
+    def generate(self, *a, **kw):
+        self.failures += 1
+        raise ValueError("n must be 1 when using greedy sampling, got 2.")
+
+
+def test_only_a_failure_a_resume_can_help_advises_one(tmp_path, monkeypatch):
+    real = loop.make_engine
+    monkeypatch.setattr(loop, "make_engine", lambda *a, **kw: DeadEngine(real(*a, **kw), failures=0))
+    with pytest.raises(SystemExit, match="failed twice at step 1: engine core process died") as stopped:
+        _run(_cfg(tmp_path / "dead", steps=2))
+    assert str(stopped.value).endswith("written to " + str(tmp_path / "dead" / "run" / "checkpoints" /
+                                                               "step_000000.pt") + "; continue with --resume")
+
+    engines = []
+    monkeypatch.setattr(loop, "make_engine", lambda *a, **kw: engines.append(RefusingEngine(real(*a, **kw), 0))
+                        or engines[-1])
+    cfg = _cfg(tmp_path / "refused", steps=2)
+    with pytest.raises(SystemExit, match="refused step 1's request: ValueError: n must be 1") as stopped:
+        _run(cfg)
+    assert engines[0].failures == 1  # not retried: asking again gets the same answer
+    assert "--resume" not in str(stopped.value) and latest_checkpoint(cfg.out).name == "step_000000.pt"
 
 
 class InterruptedEngine(FlakyEngine):
@@ -243,6 +282,29 @@ def test_ctrl_c_writes_a_checkpoint_of_the_last_completed_step(tmp_path, monkeyp
     with pytest.raises(SystemExit, match="interrupted: checkpoint of step 1 written to .*; continue with --resume"):
         _run(cfg)
     assert latest_checkpoint(cfg.out).name == "step_000001.pt"
+
+
+def test_a_folder_holding_a_run_is_never_written_over(tmp_path):
+    """A run killed before its first checkpoint left metrics.jsonl only: a new run there is refused,
+    naming --resume and --overwrite; --resume says there is no checkpoint; --overwrite deletes the
+    driver's files (and no other) and starts over."""
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "metrics.jsonl").write_text('{"step": 1}\n')
+    (out / "notes.txt").write_text("mine")
+    with pytest.raises(FileExistsError, match=r"already holds a run \(metrics.jsonl\); pass --resume to continue it, "
+                                              r"--overwrite to delete it and start over"):
+        _run(_cfg(tmp_path, steps=1))
+    with pytest.raises(FileNotFoundError, match="has no checkpoint yet .*nothing to resume; start it over with "
+                                                "--overwrite"):
+        _run(_cfg(tmp_path, steps=1, resume=True))
+    assert (out / "metrics.jsonl").read_text() == '{"step": 1}\n'
+    _, rows = _run(_cfg(tmp_path, steps=2, overwrite=True))
+    assert [r["step"] for r in rows] == [1, 2] and (out / "notes.txt").read_text() == "mine"
+    assert [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()] == [1, 2]
+    with pytest.raises(ValueError, match="--steps 2: the run in .* has done 2 steps already; pass --steps N with "
+                                         "N > 2"):
+        _run(_cfg(tmp_path, steps=2, resume=True))
 
 
 def test_resume_refuses_another_runs_or_a_corrupt_checkpoint(tmp_path):
@@ -336,7 +398,8 @@ def test_help_documents_every_flag():
     ).stdout
     for flag in ["--model", "--task", "--data", "--recipe", "--engine", "--steps", "--group-size", "--batch-size",
                  "--max-new-tokens", "--lr", "--seed", "--out", "--resume", "--eval", "--limit", "--rollout-correction",
-                 "--is-clip", "--is-low", "--correction-level", "--report-to", "--eval-every", "--debug"]:
+                 "--is-clip", "--is-low", "--correction-level", "--report-to", "--eval-every", "--debug",
+                 "--overwrite"]:
         assert flag in out, flag
 
 
