@@ -33,3 +33,12 @@ def test_the_readme_api_example_runs_and_trains(capsys):
     assert not torch.equal(before, namespace["model"].model.layers[0].mlp.up_proj.weight)  # the step changed it
     out = capsys.readouterr().out
     assert "mismatch_kl" in out and "'fprop': 'fp8'" in out
+
+
+def test_the_drivers_help_quotes_the_readmes_demo_times():
+    """train_grpo.py's usage says how long the demo takes: the range of the README's table."""
+    driver = (README.parent / "examples" / "train_grpo.py").read_text()
+    low, high = map(int, re.search(r"arithmetic: (\d+)-(\d+) min on 2 CPU cores", driver).groups())
+    table = README.read_text().split("`make demo` wall", 1)[1].split("\n\n", 1)[0]
+    minutes = [float(m) for m in re.findall(r"\| (\d+\.\d) min", table)]
+    assert len(minutes) >= 3 and (low, high) == (int(min(minutes)), -int(-max(minutes) // 1)), (minutes, low, high)
