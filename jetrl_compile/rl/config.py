@@ -23,7 +23,6 @@ from ..errors import UsageFileExistsError, UsageFileNotFoundError, UsageValueErr
 from ..fsdp import recipe_gathers_fp8
 from ..models import DEFAULT_MODEL, default_model_path
 from ..recipes import DEFAULT_RECIPE, RECIPES, get_recipe
-from ..runtime.switches import launcher_world
 from .correction import LEVELS, MODES, RolloutCorrection
 from .parallel import PARALLEL
 from .report import REPORTS
@@ -56,8 +55,6 @@ RANGES = {
                                "(--eval decodes greedily by itself)"),
     "clip_eps": (_positive, "the PPO clip range is a positive number, e.g. 0.2"),
     "beta": (lambda v: v >= 0, "the KL penalty's weight is 0 (off) or positive"),
-    "is_clip": (_positive, "the largest importance weight is a positive number, e.g. 2"),
-    "is_low": (lambda v: v >= 0, "the lowest kept importance ratio is 0 (no bound) or positive"),
     "micro_batch": (lambda v: v >= 1, "pass 1 or more sequences per trainer forward"),
     "vllm_memory": (lambda v: 0 < v <= 1, "a share of the GPU's memory: 0 < share <= 1"),
     "eval_every": (lambda v: v >= 0, "evaluate every N >= 1 steps, or 0 for never"),
@@ -184,16 +181,6 @@ class GrpoConfig:
         if self.report_to == "tensorboard" and importlib.util.find_spec("tensorboard") is None:
             raise UsageValueError("--report-to tensorboard needs the tensorboard package; pip install tensorboard "
                                   "(make venv installs it with the examples extra)")
-        if self.parallel != "none":
-            world = launcher_world()
-            if world is None:
-                raise UsageValueError(
-                    f"--parallel {self.parallel} runs one process per rank: start it with torchrun, e.g. "
-                    f"torchrun --nproc-per-node 2 examples/train_grpo.py --parallel {self.parallel} ..."
-                )
-            if self.batch_size % world:
-                raise UsageValueError(f"--batch-size {self.batch_size} must divide evenly over {world} ranks; "
-                                      f"pass a multiple of {world}")
         both = [name for name in ("resume", "eval", "overwrite") if getattr(self, name)]
         if len(both) > 1:
             raise UsageValueError(f"{' and '.join(flag(n) for n in both)} do not go together: "

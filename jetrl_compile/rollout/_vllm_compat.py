@@ -106,6 +106,11 @@ def reload_weights(llm, tensors=None, *, folder: str | None = None) -> None:
         raise _changed("LLM.collective_rpc('reload_weights')", e) from e
 
 
+def vllm_settings() -> dict[str, str]:
+    """The ``VLLM_*`` variables of this process's environment (what the user set for vLLM)."""
+    return {k: v for k, v in os.environ.items() if k.startswith("VLLM_")}
+
+
 def repack_cpu_gemms(llm) -> int:
     """Repack the weights vLLM's CPU GEMMs multiply, from the parameters as they are now; returns
     how many layers were repacked. Call after every in-place reload.

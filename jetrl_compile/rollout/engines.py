@@ -330,7 +330,9 @@ class VllmEngine(RolloutEngine):
         else:  # the engine's process reads the new weights from the export folder it loaded
             write_weights(self.export_dir, tensors)
             _vllm_compat.reload_weights(self.llm, folder=self.export_dir)
-        _vllm_compat.repack_cpu_gemms(self.llm)  # a tied LM head's packed copy, which the reload leaves stale
+        if self.in_process:  # a tied LM head's packed copy, which the reload leaves stale (vLLM's RPC
+            # serializer cannot carry the function to an engine in its own process: not repacked there yet)
+            _vllm_compat.repack_cpu_gemms(self.llm)
         if self._exact is not None:
             self._exact.refresh()
         self.llm.reset_prefix_cache()

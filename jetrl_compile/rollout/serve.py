@@ -19,7 +19,6 @@ setting is vLLM's own: the compiled model with CUDA graphs.
 from __future__ import annotations
 
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -35,6 +34,7 @@ def main(argv: list[str] | None = None) -> int:
     if not argv:
         print(USAGE, file=sys.stderr)
         return 2
+    env = {}
     if argv[0] not in ("-h", "--help"):
         try:
             validate_export(argv[0])
@@ -44,17 +44,17 @@ def main(argv: list[str] | None = None) -> int:
         import torch
 
         if not torch.cuda.is_available():
-            flags, env = cpu_defaults(argv[0], argv[1:], os.environ)
+            flags, env = cpu_defaults(argv[0], argv[1:], _vllm_compat.vllm_settings())
             if flags or env:
                 said = [*flags, *(f"{k}={v}" for k, v in env.items())]
                 print(f"jetrl-serve on the CPU: {' '.join(said)} (a flag or variable of yours overrides these)",
                       file=sys.stderr)
             argv = [*argv, *flags]
-            os.environ.update(env)  # vLLM reads it when its CPU worker sizes the KV cache
     from vllm.entrypoints.cli.main import main as vllm_main
 
     sys.argv = ["vllm", "serve", *argv]
-    with _vllm_compat.cli_version_known():
+    # vLLM reads the KV-cache size from the environment when its CPU worker starts
+    with _vllm_compat.environment(env), _vllm_compat.cli_version_known():
         vllm_main()
     return 0
 
