@@ -7,6 +7,10 @@ A linear layer ``y = x W^T`` has three GEMMs in training and one in rollout:
 - **wgrad**: ``dW = dy^T x`` (gradient of the weight),
 - **rollout**: the forward the inference engine runs while sampling.
 
+and one hand-off: the gradient ``dx`` the dgrad gives the previous op (``grad_handoff``). Every
+shipped flow hands it on in BF16; ``fp8_all`` also quantizes it, in 1 x 128 groups, which is the
+paper's ablation that fails to converge.
+
 A recipe says, for each, whether it is BF16 or FP8 and how each FP8 operand is grouped for its
 scales. The contract for on-policy training is ``fprop == rollout``: the sampler and the learner
 compute the same function. ``fp8_rollout_only`` breaks it on purpose, to reproduce the failure
@@ -77,6 +81,13 @@ class Recipe:
     description: str = ""
     include_lm_head: bool = False
     skip: tuple[str, ...] = ()  # extra user patterns, on top of DEFAULT_SKIP
+    # The gradient a linear hands to the previous op: "bf16" (straight from the dgrad GEMM) or
+    # "fp8" (quantized in 1 x 128 groups along its features, passed on as its dequantized value).
+    grad_handoff: Literal["bf16", "fp8"] = "bf16"
+
+    def __post_init__(self):
+        if self.grad_handoff not in GEMM_DTYPES:
+            raise ValueError(f"grad_handoff {self.grad_handoff!r} is unknown; choose one of {', '.join(GEMM_DTYPES)}")
 
     @property
     def on_policy(self) -> bool:
@@ -123,6 +134,8 @@ RECIPES: dict[str, Recipe] = {
                description="the paper's flow: FP8 fprop, dgrad and wgrad; BF16 gradients between ops"),
         Recipe("fp8_rollout_only", BF16, BF16, BF16, FP8_FPROP,
                description="off-policy baseline: BF16 training, FP8 rollout (never a default)"),
+        Recipe("fp8_all", FP8_FPROP, FP8_DGRAD, FP8_WGRAD, FP8_FPROP, grad_handoff="fp8",
+               description="the paper's failing ablation: jetrl with FP8 gradients between ops (never a default)"),
     )
 }
 

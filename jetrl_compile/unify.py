@@ -146,8 +146,9 @@ def precision_report(model: nn.Module) -> list[dict]:
 
 
 def linear_precisions(model: nn.Module) -> dict[str, dict]:
-    """Every ``nn.Linear`` of a unified model, one row each: ``fprop``/``dgrad``/``wgrad`` and
-    where they come from (``source``):
+    """Every ``nn.Linear`` of a unified model, one row each: ``fprop``/``dgrad``/``wgrad``, the
+    gradient the dgrad hands to the previous op (``handoff``: ``fp8`` for ``fp8_all``), and where
+    they come from (``source``):
 
     - ``"graph <n>"``: read off the compiled graph that runs it (the forward and backward graphs
       handed to Inductor; a layer compiled once for all layers reports each of them);
@@ -157,7 +158,7 @@ def linear_precisions(model: nn.Module) -> dict[str, dict]:
     - ``"not compiled yet"``: inside a compiled graph that has not run;
     - ``"not quantized: <reason>"``: a plain ``nn.Linear`` in its own dtype.
 
-    For ``graph`` rows, ``dgrad``/``wgrad`` are None where only no-grad graphs ran."""
+    For ``graph`` rows, ``dgrad``/``wgrad``/``handoff`` are None where only no-grad graphs ran."""
     from .passes.precision_report import dtype_tag  # passes load on use, never on import
 
     state = unified_state(model)
@@ -176,12 +177,13 @@ def linear_precisions(model: nn.Module) -> dict[str, dict]:
         row = {"module": name, "shape": list(module.weight.shape)}
         reason = r.skip_reason(name)
         if id(module) in eager:
-            rows[name] = dict(row, fprop=r.fprop.dtype, dgrad=r.dgrad.dtype, wgrad=r.wgrad.dtype, source="eager op")
+            rows[name] = dict(row, fprop=r.fprop.dtype, dgrad=r.dgrad.dtype, wgrad=r.wgrad.dtype,
+                              handoff=r.grad_handoff, source="eager op")
         elif reason is None and id(module) in compiled:
-            rows[name] = dict(row, fprop="?", dgrad=None, wgrad=None, source="not compiled yet")
+            rows[name] = dict(row, fprop="?", dgrad=None, wgrad=None, handoff=None, source="not compiled yet")
         else:
             own = dtype_tag(module.weight.dtype)
-            rows[name] = dict(row, fprop=own, dgrad=own, wgrad=own, source=f"not quantized: {reason}")
+            rows[name] = dict(row, fprop=own, dgrad=own, wgrad=own, handoff=own, source=f"not quantized: {reason}")
     return rows
 
 
@@ -241,13 +243,15 @@ def _patch_linears_eager(
                 fixed = invariant.needs_fixed_point(module.weight.device, recipe.fprop.is_fp8)
                 return fp8_linear(
                     x, module.weight, module.bias, q, s, None, fprop=recipe.fprop.dtype, dgrad=recipe.dgrad.dtype,
-                    wgrad=recipe.wgrad.dtype, exact=cache.get_fixed(module.weight, fixed_kind) if fixed else True,
+                    wgrad=recipe.wgrad.dtype, handoff=recipe.grad_handoff,
+                    exact=cache.get_fixed(module.weight, fixed_kind) if fixed else True,
                 )
             if recipe.fprop.is_fp8 and uses_emulation(module.weight.device):
                 deq = cache.get_dequantized(module.weight, gemm_operand_dtype(module.weight.device))
             return fp8_linear(
                 x, module.weight, module.bias, q, s, deq,
                 fprop=recipe.fprop.dtype, dgrad=recipe.dgrad.dtype, wgrad=recipe.wgrad.dtype,
+                handoff=recipe.grad_handoff,
             )
 
         module.forward = forward

@@ -34,7 +34,8 @@ def test_every_projection_rewritten_and_lm_head_embeddings_not(family):
 
 @pytest.mark.parametrize(
     "recipe,compiler",
-    [("bf16", "aot_eager"), ("fp8_fwd_bf16_bwd", "aot_eager"), ("jetrl", "aot_eager"), ("jetrl", "inductor")],
+    [("bf16", "aot_eager"), ("fp8_fwd_bf16_bwd", "aot_eager"), ("jetrl", "aot_eager"), ("jetrl", "inductor"),
+     ("fp8_all", "aot_eager"), ("fp8_all", "inductor")],
 )
 def test_precision_report_reads_every_gemm_on_either_bf16_gemm_path(recipe, compiler, gemm_path):
     """On the fp32 path a BF16 GEMM runs as an FP32 matmul of upcast operands; the report still
@@ -50,10 +51,11 @@ def test_precision_report_reads_every_gemm_on_either_bf16_gemm_path(recipe, comp
     model(ids, labels=ids).loss.backward()
     assert {report["bf16_gemm"] for report in jetrl_compile.precision_report(model)} == {gemm_path}
     fwd = "bf16" if recipe == "bf16" else "fp8"
-    bwd = "fp8" if recipe == "jetrl" else "bf16"
+    bwd = "fp8" if recipe in ("jetrl", "fp8_all") else "bf16"
+    handoff = "fp8" if recipe == "fp8_all" else "bf16"  # jetrl's dx is the dgrad's BF16 output
     for row in jetrl_compile.linear_precisions(model).values():
-        expected = ("fp32",) * 3 if row["module"] == "lm_head" else (fwd, bwd, bwd)
-        assert (row["fprop"], row["dgrad"], row["wgrad"]) == expected, row
+        expected = ("fp32",) * 4 if row["module"] == "lm_head" else (fwd, bwd, bwd, handoff)
+        assert (row["fprop"], row["dgrad"], row["wgrad"], row["handoff"]) == expected, row
     (graph,) = jetrl_compile.unified_state(model).graphs
     quantized = [r for r in graph.backward if r.module != "lm_head"]
     assert {r.precision for r in quantized} == {bwd} and {r.out_dtype for r in quantized} == {"bfloat16"}

@@ -96,22 +96,22 @@ FP8 GEMM kernel: emulated (dequantize + fp32 matmul of bf16 values); BF16 GEMM p
 Regional compilation: a compiled `LlamaDecoderLayer`, run by 2 layers
 (`model.layers.0` ... `model.layers.1`); the table lists each.
 
-| module | shape (N, K) | fprop | dgrad | wgrad |
-|---|---|---|---|---|
-| `model.layers.0.self_attn.q_proj` | 200x200 | fp8 | bf16 | bf16 |
-| `model.layers.0.self_attn.k_proj` | 100x200 | fp8 | bf16 | bf16 |
-| `model.layers.0.self_attn.v_proj` | 100x200 | fp8 | bf16 | bf16 |
-| `model.layers.0.self_attn.o_proj` | 200x200 | fp8 | bf16 | bf16 |
-| `model.layers.0.mlp.gate_proj` | 320x200 | fp8 | bf16 | bf16 |
-| `model.layers.0.mlp.up_proj` | 320x200 | fp8 | bf16 | bf16 |
-| `model.layers.0.mlp.down_proj` | 200x320 | fp8 | bf16 | bf16 |
-| `model.layers.1.self_attn.q_proj` | 200x200 | fp8 | bf16 | bf16 |
-| `model.layers.1.self_attn.k_proj` | 100x200 | fp8 | bf16 | bf16 |
-| `model.layers.1.self_attn.v_proj` | 100x200 | fp8 | bf16 | bf16 |
-| `model.layers.1.self_attn.o_proj` | 200x200 | fp8 | bf16 | bf16 |
-| `model.layers.1.mlp.gate_proj` | 320x200 | fp8 | bf16 | bf16 |
-| `model.layers.1.mlp.up_proj` | 320x200 | fp8 | bf16 | bf16 |
-| `model.layers.1.mlp.down_proj` | 200x320 | fp8 | bf16 | bf16 |
+| module | shape (N, K) | fprop | dgrad | wgrad | dx handed on |
+|---|---|---|---|---|---|
+| `model.layers.0.self_attn.q_proj` | 200x200 | fp8 | bf16 | bf16 | bf16 |
+| `model.layers.0.self_attn.k_proj` | 100x200 | fp8 | bf16 | bf16 | bf16 |
+| `model.layers.0.self_attn.v_proj` | 100x200 | fp8 | bf16 | bf16 | bf16 |
+| `model.layers.0.self_attn.o_proj` | 200x200 | fp8 | bf16 | bf16 | bf16 |
+| `model.layers.0.mlp.gate_proj` | 320x200 | fp8 | bf16 | bf16 | bf16 |
+| `model.layers.0.mlp.up_proj` | 320x200 | fp8 | bf16 | bf16 | bf16 |
+| `model.layers.0.mlp.down_proj` | 200x320 | fp8 | bf16 | bf16 | bf16 |
+| `model.layers.1.self_attn.q_proj` | 200x200 | fp8 | bf16 | bf16 | bf16 |
+| `model.layers.1.self_attn.k_proj` | 100x200 | fp8 | bf16 | bf16 | bf16 |
+| `model.layers.1.self_attn.v_proj` | 100x200 | fp8 | bf16 | bf16 | bf16 |
+| `model.layers.1.self_attn.o_proj` | 200x200 | fp8 | bf16 | bf16 | bf16 |
+| `model.layers.1.mlp.gate_proj` | 320x200 | fp8 | bf16 | bf16 | bf16 |
+| `model.layers.1.mlp.up_proj` | 320x200 | fp8 | bf16 | bf16 | bf16 |
+| `model.layers.1.mlp.down_proj` | 200x320 | fp8 | bf16 | bf16 | bf16 |
 """,
     )
 

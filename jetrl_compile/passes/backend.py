@@ -90,6 +90,7 @@ class GraphRecord:
                 "fprop": fprop.get(module, "?"),
                 "dgrad": bwd.get(module, {}).get("dgrad"),
                 "wgrad": bwd.get(module, {}).get("wgrad"),
+                "handoff": bwd.get(module, {}).get("handoff"),
             }
             for module, shape in weight_shapes.items()
         ]

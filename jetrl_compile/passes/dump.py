@@ -96,13 +96,14 @@ def report_markdown(report: dict) -> str:
         )
     lines += [
         "",
-        "| module | shape (N, K) | fprop | dgrad | wgrad |",
-        "|---|---|---|---|---|",
+        "| module | shape (N, K) | fprop | dgrad | wgrad | dx handed on |",
+        "|---|---|---|---|---|---|",
     ]
     for row in report["linears"]:
         shape = "x".join(str(d) for d in row["shape"])
         lines.append(
-            f"| `{row['module']}` | {shape} | {row['fprop']} | {row['dgrad'] or '-'} | {row['wgrad'] or '-'} |"
+            f"| `{row['module']}` | {shape} | {row['fprop']} | {row['dgrad'] or '-'} | {row['wgrad'] or '-'} "
+            f"| {row.get('handoff') or '-'} |"
         )
     if report["skipped"]:
         lines += ["", "Skipped:", ""]

@@ -14,6 +14,10 @@ saved that is one of those (the FP8 dgrad's ``deq(W)^T``, a view the forward mad
 AOTAutograd's partitioner cuts both graphs out of one joint graph, so a saved tensor has the same
 node name in the forward's outputs and among the backward's inputs. Likewise an operand that is
 an exact upcast of a BF16 value (a BF16 gradient converted to FP32) counts as BF16.
+
+The gradient a dgrad GEMM hands on (``handoff``) is read the same way, forwards: it is ``fp8``
+when the GEMM's output leaves the computation made from it alone only as a dequantized FP8 value
+of its own shape (``_handoff_precision``), else the dtype the GEMM writes.
 """
 
 from __future__ import annotations
@@ -54,6 +58,7 @@ class GemmRecord:
     operand_dtypes: tuple[str, str]  # "fp8" | "bf16" | other dtype name, per operand
     out_shape: tuple
     out_dtype: str = ""  # the dtype the GEMM writes (a dgrad's is the gradient handed to the previous op)
+    handoff: str = ""  # what the rest of the graph receives of the output: "fp8" (a fake quantization) or its dtype
 
     @property
     def precision(self) -> str:
@@ -159,6 +164,56 @@ def _upcast_source(node: fx.Node) -> fx.Node:
     return node
 
 
+def _handoff_precision(gemm: fx.Node) -> str:
+    """What the rest of the graph receives of ``gemm``'s output: ``"fp8"`` where it is handed on
+    only as a dequantized FP8 value, else the dtype the GEMM writes.
+
+    The nodes computed from the output alone (with constants) hold the quantizer, if there is one:
+    its amax and scale, the cast to float8 and the dequantize. The output is handed on in FP8 when
+    one dequantized value of the output's size and row length (computed from a float8 node, not
+    float8 itself) is where everything that leaves that set comes from. A BF16 hand-off leaves as
+    the output itself (or its view) and fails this. So does ``jetrl``'s linear feeding a linear
+    directly: the next dgrad's FP8 operand is of the output's shape, but the next wgrad's is its
+    transpose, quantized along the tokens, and neither comes from the other."""
+    val = gemm.meta.get("val")
+    own = dtype_tag(val.dtype) if val is not None else "?"
+    if val is None:
+        return own
+
+    def constant(n: fx.Node) -> bool:
+        return n.op in ("call_function", "get_attr") and not n.all_input_nodes
+
+    alone, dequantized, order = {gemm}, set(), [gemm]
+    node = gemm.next
+    while node.op != "output":
+        inputs = node.all_input_nodes
+        if node.op == "call_function" and inputs and all(n in alone or constant(n) for n in inputs):
+            alone.add(node)
+            order.append(node)
+            if _is_float8(node) or any(n in dequantized for n in inputs):
+                dequantized.add(node)
+        node = node.next
+    leaving = {n for n in alone for user in n.users if user not in alone}
+
+    def handed_on_in_fp8(n: fx.Node) -> bool:
+        v = n.meta.get("val")
+        return (n in dequantized and not _is_float8(n) and v is not None
+                and v.shape[-1:] == val.shape[-1:] and v.numel() == val.numel())
+
+    for source in filter(handed_on_in_fp8, order):
+        reached = {source}
+        for n in order[order.index(source) + 1:]:
+            if any(i in reached for i in n.all_input_nodes):
+                reached.add(n)
+        if leaving and leaving <= reached:
+            return "fp8"
+    return own
+
+
+def _is_float8(node: fx.Node) -> bool:
+    return _val_dtype(node) in (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
 def gemms_in_graph(
     gm: fx.GraphModule, graph: str, fp8_inputs=frozenset(), fp8_saved=frozenset()
 ) -> list[GemmRecord]:
@@ -183,6 +238,7 @@ def gemms_in_graph(
                 operand_dtypes=tuple(_operand_precision(x, fp8_inputs, fp8_saved) for x in operands),
                 out_shape=tuple(val.shape) if val is not None else (),
                 out_dtype=str(val.dtype).removeprefix("torch.") if val is not None else "",
+                handoff=_handoff_precision(node) if graph == "backward" else "",
             )
         )
     return records
@@ -204,7 +260,8 @@ def graph_has_fp8(gm: fx.GraphModule) -> bool:
 
 def classify_backward(records: list[GemmRecord],
                       weight_shapes: dict[str, tuple[int, int]]) -> dict[str, dict[str, str]]:
-    """``{module: {"dgrad": precision, "wgrad": precision}}`` from a backward graph's GEMMs.
+    """``{module: {"dgrad": precision, "wgrad": precision, "handoff": precision}}`` from a
+    backward graph's GEMMs (``handoff``: what the dgrad hands to the previous op).
 
     ``dW`` has the weight's shape ``(N, K)``; ``dx`` has ``(M, K)``. When ``M == N`` the shapes
     cannot tell them apart and graph order decides: the op computes ``dx`` before ``dW``.
@@ -219,6 +276,7 @@ def classify_backward(records: list[GemmRecord],
         slots = {}
         if dgrad:
             slots["dgrad"] = dgrad[0].precision
+            slots["handoff"] = dgrad[0].handoff or dgrad[0].out_dtype
         if wgrad:
             slots["wgrad"] = wgrad[0].precision
         if slots:

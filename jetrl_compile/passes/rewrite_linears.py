@@ -8,7 +8,7 @@ the weight (or bias) of which ``nn.Linear``. It matches the forms Dynamo produce
 - ``x @ W.t()`` / ``torch.matmul(x, W.T)`` / ``torch.mm(x, W.t())``, with ``addmm(b, x, W.t())``.
 
 Each match whose weight belongs to an eligible ``nn.Linear`` becomes
-``fp8_linear(x, W, b, W_q, W_s[, W_deq], fprop=..., dgrad=..., wgrad=...)``,
+``fp8_linear(x, W, b, W_q, W_s[, W_deq], fprop=..., dgrad=..., wgrad=...[, handoff="fp8"])``,
 where ``W_q``, ``W_s`` (and, for the emulated kernel, the dequantization ``W_deq`` in the GEMM's
 operand dtype) are new placeholders appended after the existing ones: the caller feeds them from
 the weight cache, so a weight is quantized once per optimizer step, not once per call. A parameter
@@ -182,12 +182,11 @@ def rewrite_linears(
             last_placeholder = quant_args[-1]
             quant_inputs = tuple(range(n_inputs, n_inputs + len(quant_args)))
             n_inputs += len(quant_args)
+        precisions = {"fprop": recipe.fprop.dtype, "dgrad": recipe.dgrad.dtype, "wgrad": recipe.wgrad.dtype}
+        if recipe.grad_handoff != "bf16":  # written only where it changes something: the graphs stay as they were
+            precisions["handoff"] = recipe.grad_handoff
         with graph.inserting_before(node):
-            new = graph.call_function(
-                fp8_linear,
-                (x, w, b, *quant_args),
-                {"fprop": recipe.fprop.dtype, "dgrad": recipe.dgrad.dtype, "wgrad": recipe.wgrad.dtype},
-            )
+            new = graph.call_function(fp8_linear, (x, w, b, *quant_args), precisions)
         new.meta = dict(node.meta)
         new.meta["jetrl_module"] = info.module
         node.replace_all_uses_with(new)

@@ -22,6 +22,9 @@ Backward rules per GEMM precision:
   (transposed; the blocks are symmetric). FP8 wgrad: ``dy^T`` and ``x^T`` in groups of 128 along
   the token dim. The gradients handed to other ops stay BF16 (the paper: quantizing them kills
   convergence).
+- FP8 hand-off (``handoff="fp8"``, recipe ``fp8_all``, that ablation): ``dx`` is quantized in
+  1 x 128 groups along its features and handed on as its dequantized value, so every gradient
+  the previous op receives is an FP8 code times its group's scale.
 """
 
 from __future__ import annotations
@@ -53,7 +56,8 @@ FP8_BACKWARD_INDUCTOR_OPTIONS = {**INDUCTOR_OPTIONS, "cpp.max_horizontal_fusion_
 
 class _RecipeLinear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, weight_q, weight_s, weight_deq, fprop: str, dgrad: str, wgrad: str, exact):
+    def forward(ctx, x, weight, bias, weight_q, weight_s, weight_deq, fprop: str, dgrad: str, wgrad: str, exact,
+                handoff: str):
         x2 = x.reshape(-1, x.shape[-1]).to(BF16)
         b = bias.to(BF16) if bias is not None else None
         if exact is not None:
@@ -63,7 +67,7 @@ class _RecipeLinear(torch.autograd.Function):
         else:
             y = bf16_gemm(x2, weight.to(BF16), b)
         ctx.save_for_backward(x2, weight, weight_q, weight_s, weight_deq)
-        ctx.dgrad, ctx.wgrad = dgrad, wgrad
+        ctx.dgrad, ctx.wgrad, ctx.handoff = dgrad, wgrad, handoff
         ctx.x_shape, ctx.x_dtype = x.shape, x.dtype
         ctx.bias_dtype = None if bias is None else bias.dtype
         return y.to(x.dtype).reshape(*x.shape[:-1], weight.shape[0])
@@ -80,6 +84,8 @@ class _RecipeLinear(torch.autograd.Function):
                 dx = fp8_gemm_quantizing(dy2, Quantized(weight_q.t(), weight_s.t()), b_dequantized=w_t_deq)
             else:
                 dx = bf16_gemm(dy2, weight.to(BF16).t())
+            if ctx.handoff == "fp8":
+                dx = fake_quantize_groupwise(dx, BF16)
             dx = dx.to(ctx.x_dtype).reshape(ctx.x_shape)
         if ctx.needs_input_grad[1]:
             if ctx.wgrad == "fp8":
@@ -91,7 +97,7 @@ class _RecipeLinear(torch.autograd.Function):
             dw = dw.to(weight.dtype)
         if ctx.bias_dtype is not None and ctx.needs_input_grad[2]:
             db = dy.reshape(-1, dy.shape[-1]).float().sum(0).to(ctx.bias_dtype)
-        return dx, dw, db, None, None, None, None, None, None, None
+        return dx, dw, db, None, None, None, None, None, None, None, None
 
 
 def _exact_fprop(x2, weight, weight_q, weight_s, bias, fprop: str, weight_fixed) -> torch.Tensor:
@@ -134,6 +140,7 @@ def fp8_linear(
     fprop: str | None = None,
     dgrad: str | None = None,
     wgrad: str | None = None,
+    handoff: str | None = None,
     exact: bool | invariant.FixedPoint = False,
 ) -> torch.Tensor:
     """``y = x W^T + b`` with a recipe's GEMM precisions and backward rules: the one op, called by
@@ -141,22 +148,28 @@ def fp8_linear(
 
     Precisions come from ``recipe`` (default: the default recipe), or as the pass writes them into
     graphs, as plain strings ``fprop``, ``dgrad``, ``wgrad`` (all three; graphs print and cache
-    them). ``weight_q``/``weight_s`` are the weight's 128 x 128 quantization (the weight cache's;
-    quantized here from the weight when a GEMM needs it and none is given) and ``weight_deq`` its
-    dequantization in ``kernels.gemm_operand_dtype`` for the emulated fprop (None: dequantize
-    here). Gradients flow to ``weight``, the master parameter. Works eagerly and under torch.compile.
+    them), with ``handoff`` (the gradient handed to the previous op, ``"bf16"`` or ``"fp8"``; the
+    pass writes it only where it is ``"fp8"``). ``weight_q``/``weight_s`` are the weight's 128 x 128
+    quantization (the weight cache's; quantized here from the weight when a GEMM needs it and none
+    is given) and ``weight_deq`` its dequantization in ``kernels.gemm_operand_dtype`` for the
+    emulated fprop (None: dequantize here). Gradients flow to ``weight``, the master parameter.
+    Works eagerly and under torch.compile.
 
     ``exact``: run the fprop GEMM with ``invariant.gemm`` (exact mode, eager only), True or the
     weight's ``FixedPoint`` operand made earlier (the weight cache's ``get_fixed``). Backward rules
     are the recipe's either way.
     """
     explicit = (fprop, dgrad, wgrad)
-    if any(p is not None for p in explicit):
+    if any(p is not None for p in explicit) or handoff is not None:
         if recipe is not None or any(p is None for p in explicit):
-            raise ValueError("fp8_linear: give either recipe=... or all three of fprop=, dgrad=, wgrad=")
+            raise ValueError("fp8_linear: give either recipe=... or all three of fprop=, dgrad=, wgrad= "
+                             "(and optionally handoff=)")
+        handoff = handoff or "bf16"
     else:
         r = get_recipe(recipe if recipe is not None else DEFAULT_RECIPE)
-        fprop, dgrad, wgrad = r.fprop.dtype, r.dgrad.dtype, r.wgrad.dtype
+        fprop, dgrad, wgrad, handoff = r.fprop.dtype, r.dgrad.dtype, r.wgrad.dtype, r.grad_handoff
+    if handoff not in ("bf16", "fp8"):
+        raise ValueError(f"fp8_linear: handoff {handoff!r} is unknown; choose bf16 or fp8")
     if x.shape[-1] != weight.shape[-1]:
         raise ValueError(
             f"fp8_linear: x has {x.shape[-1]} features but weight {tuple(weight.shape)} expects {weight.shape[-1]}"
@@ -166,4 +179,4 @@ def fp8_linear(
     if exact is not False and weight_q is None and fprop == "fp8":
         weight_q, weight_s = quantize_blockwise(weight.detach())
     exact = None if exact is False else exact
-    return _RecipeLinear.apply(x, weight, bias, weight_q, weight_s, weight_deq, fprop, dgrad, wgrad, exact)
+    return _RecipeLinear.apply(x, weight, bias, weight_q, weight_s, weight_deq, fprop, dgrad, wgrad, exact, handoff)

@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from jetrl_compile.runtime import dequantize, fp8_linear, quantize_blockwise, quantize_groupwise
 from jetrl_compile.runtime.fp8_linear import FP8_BACKWARD_INDUCTOR_OPTIONS, INDUCTOR_OPTIONS
 from jetrl_compile.runtime.kernels import bf16_gemm, cpu_has_bf16_dot_product, kernel_name
+from jetrl_compile.runtime.quantize import fake_quantize_groupwise
 from tests.conftest import assert_within_gemm_definition
 
 BF16 = torch.bfloat16
@@ -90,6 +91,31 @@ def test_jetrl_backward_differs_from_straight_through_by_quantization_error():
     assert dx8.dtype == BF16, "the gradient handed to the previous op stays BF16"
 
 
+def test_fp8_all_hands_on_its_jetrl_gradient_quantized_in_1x128_groups():
+    """The paper's failing ablation: jetrl's GEMMs, and the dx handed to the previous op is an FP8
+    code times its group's scale, which jetrl's is not. Idempotence under the 1 x 128 fake
+    quantization is that property: a value already on its group's FP8 grid maps to itself."""
+    x, w, _ = _inputs(m=64)
+    dy = torch.randn(64, 300).to(BF16)
+    _, dx_all, dw_all, _ = _grads(lambda *a: fp8_linear(*a, recipe="fp8_all"), x, w, None, dy)
+    _, dx_jet, dw_jet, _ = _grads(lambda *a: fp8_linear(*a, recipe="jetrl"), x, w, None, dy)
+    assert dx_all.dtype == BF16 and torch.equal(dw_all, dw_jet), "the weight's gradient is jetrl's"
+    assert torch.equal(dx_all, fake_quantize_groupwise(dx_jet, BF16)), "jetrl's dx, quantized once"
+    assert torch.equal(fake_quantize_groupwise(dx_all, BF16), dx_all)
+    on_grid = fake_quantize_groupwise(dx_jet, BF16) == dx_jet
+    assert on_grid.float().mean() < 0.5, "jetrl's dx is not on the FP8 grid (most of it)"
+    payload, scales = quantize_groupwise(dx_all)
+    assert payload.dtype == torch.float8_e4m3fn and torch.equal(dequantize(payload, scales, BF16), dx_all)
+
+
+def test_the_handoff_is_named_with_the_gemm_precisions_only():
+    x, w = torch.randn(4, 128), torch.randn(8, 128)
+    with pytest.raises(ValueError, match="all three of fprop="):
+        fp8_linear(x, w, recipe="jetrl", handoff="fp8")
+    with pytest.raises(ValueError, match="handoff 'fp16' is unknown"):
+        fp8_linear(x, w, fprop="fp8", dgrad="fp8", wgrad="fp8", handoff="fp16")
+
+
 def test_jetrl_dgrad_is_fp8_gemm_of_quantized_dy_and_forward_weight_blocks():
     x, w, _ = _inputs(m=32)
     dy = torch.randn(32, 300).to(BF16)
@@ -102,7 +128,7 @@ def test_jetrl_dgrad_is_fp8_gemm_of_quantized_dy_and_forward_weight_blocks():
     assert torch.equal(dw, bf16_gemm(dyt_d, xt_d).float())
 
 
-@pytest.mark.parametrize("recipe", ["bf16", "fp8_fwd_bf16_bwd", "jetrl", "fp8_rollout_only"])
+@pytest.mark.parametrize("recipe", ["bf16", "fp8_fwd_bf16_bwd", "jetrl", "fp8_rollout_only", "fp8_all"])
 @pytest.mark.parametrize("m,k,n", [(1, 5, 3), (7, 128, 129), (130, 300, 64), (3, 1, 1)])
 def test_gradients_finite_with_right_shapes_on_random_shapes(recipe, m, k, n):
     torch.manual_seed(m * 1000 + k + n)
@@ -148,6 +174,9 @@ def _assert_same_gemm_up_to_summation_order(eager, compiled):
         # op's rounding to BF16 and quantized the float32 value unless told to emulate the casts
         ("fp8_fwd_bf16_bwd", 48, 200, 300, torch.float32),
         ("jetrl", 64, 576, 1536, torch.float32),
+        # the handed-on dx's quantize, compiled into the backward graph, gives the eager op's codes
+        ("fp8_all", 48, 200, 300, BF16),
+        ("fp8_all", 64, 576, 1536, torch.float32),
     ],
 )
 def test_compiled_fullgraph_forward_and_backward_equal_eager(recipe, m, k, n, x_dtype, gemm_path):
@@ -157,7 +186,7 @@ def test_compiled_fullgraph_forward_and_backward_equal_eager(recipe, m, k, n, x_
     def fn(x, w, b):
         return fp8_linear(x, w, b, recipe=recipe)
 
-    options = FP8_BACKWARD_INDUCTOR_OPTIONS if recipe == "jetrl" else INDUCTOR_OPTIONS
+    options = FP8_BACKWARD_INDUCTOR_OPTIONS if recipe in ("jetrl", "fp8_all") else INDUCTOR_OPTIONS
     eager = _grads(fn, x, w, b, dy)
     compiled = _grads(torch.compile(fn, fullgraph=True, dynamic=False, options=options), x, w, b, dy)
     for e, c in zip(eager[:3], compiled[:3]):  # output, dx, dw: the GEMMs and their operands
