@@ -30,6 +30,8 @@ import torch.fx as fx
 
 from ..runtime import kernels  # noqa: F401 - registers torch.ops.jetrl.gemm_fp32 and fp8_gemm_triton
 
+_FLOAT8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
 # GEMM ops and the positions of their two operands. ``jetrl.gemm_fp32`` is the ``fp32`` path of
 # ``kernels.bf16_gemm``: it takes the BF16-valued operands and upcasts them inside.
 # ``jetrl.fp8_gemm_triton`` is the Triton FP8 kernel: (a payload, its scales, b payload, ...).
@@ -85,7 +87,7 @@ def module_name_from_meta(node: fx.Node, backward: bool) -> str | None:
 
 def dtype_tag(dtype: torch.dtype) -> str:
     """A dtype as the precision report names it: ``fp8``, ``bf16``, ``fp32``, ``fp16``."""
-    if dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+    if dtype in _FLOAT8_DTYPES:
         return "fp8"
     return {torch.bfloat16: "bf16", torch.float32: "fp32", torch.float16: "fp16"}.get(dtype, str(dtype))
 
@@ -93,6 +95,10 @@ def dtype_tag(dtype: torch.dtype) -> str:
 def _val_dtype(node) -> torch.dtype | None:
     val = node.meta.get("val") if isinstance(node, fx.Node) else None
     return getattr(val, "dtype", None)
+
+
+def _is_float8(node) -> bool:
+    return _val_dtype(node) in _FLOAT8_DTYPES
 
 
 def _input_index(node: fx.Node) -> int | None:
@@ -139,7 +145,7 @@ def _is_fp8_valued(node: fx.Node, fp8_inputs: frozenset[int], fp8_saved: frozens
         if n in seen or not isinstance(n, fx.Node):
             continue
         seen.add(n)
-        if _val_dtype(n) in (torch.float8_e4m3fn, torch.float8_e5m2):
+        if _is_float8(n):
             return True
         if n.op == "placeholder" and (_input_index(n) in fp8_inputs or n.name in fp8_saved):
             return True
@@ -176,9 +182,9 @@ def _handoff_precision(gemm: fx.Node) -> str:
     directly: the next dgrad's FP8 operand is of the output's shape, but the next wgrad's is its
     transpose, quantized along the tokens, and neither comes from the other."""
     val = gemm.meta.get("val")
-    own = dtype_tag(val.dtype) if val is not None else "?"
     if val is None:
-        return own
+        return "?"
+    own = dtype_tag(val.dtype)
 
     def constant(n: fx.Node) -> bool:
         return n.op in ("call_function", "get_attr") and not n.all_input_nodes
@@ -200,19 +206,16 @@ def _handoff_precision(gemm: fx.Node) -> str:
         return (n in dequantized and not _is_float8(n) and v is not None
                 and v.shape[-1:] == val.shape[-1:] and v.numel() == val.numel())
 
-    for source in filter(handed_on_in_fp8, order):
+    for i, source in enumerate(order):
+        if not handed_on_in_fp8(source):
+            continue
         reached = {source}
-        for n in order[order.index(source) + 1:]:
-            if any(i in reached for i in n.all_input_nodes):
+        for n in order[i + 1:]:
+            if any(a in reached for a in n.all_input_nodes):
                 reached.add(n)
         if leaving and leaving <= reached:
             return "fp8"
     return own
-
-
-def _is_float8(node: fx.Node) -> bool:
-    return _val_dtype(node) in (torch.float8_e4m3fn, torch.float8_e5m2)
-
 
 def gemms_in_graph(
     gm: fx.GraphModule, graph: str, fp8_inputs=frozenset(), fp8_saved=frozenset()
@@ -255,7 +258,7 @@ def fp8_saved_tensors(gm: fx.GraphModule, fp8_inputs=frozenset()) -> frozenset[s
 
 def graph_has_fp8(gm: fx.GraphModule) -> bool:
     """Whether any value in the graph is a float8 tensor."""
-    return any(_val_dtype(n) in (torch.float8_e4m3fn, torch.float8_e5m2) for n in gm.graph.nodes)
+    return any(_is_float8(n) for n in gm.graph.nodes)
 
 
 def classify_backward(records: list[GemmRecord],
@@ -276,7 +279,7 @@ def classify_backward(records: list[GemmRecord],
         slots = {}
         if dgrad:
             slots["dgrad"] = dgrad[0].precision
-            slots["handoff"] = dgrad[0].handoff or dgrad[0].out_dtype
+            slots["handoff"] = dgrad[0].handoff
         if wgrad:
             slots["wgrad"] = wgrad[0].precision
         if slots:

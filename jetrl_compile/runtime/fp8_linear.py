@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import torch
 
-from ..recipes import DEFAULT_RECIPE, Recipe, get_recipe
+from ..recipes import DEFAULT_RECIPE, GEMM_DTYPES, Recipe, get_recipe
 from . import invariant
 from .kernels import bf16_gemm, fp8_gemm_quantizing, uses_emulation
 from .quantize import Quantized, dequantize, fake_quantize_groupwise, fused_quantize_groupwise, quantize_blockwise
@@ -168,8 +168,8 @@ def fp8_linear(
     else:
         r = get_recipe(recipe if recipe is not None else DEFAULT_RECIPE)
         fprop, dgrad, wgrad, handoff = r.fprop.dtype, r.dgrad.dtype, r.wgrad.dtype, r.grad_handoff
-    if handoff not in ("bf16", "fp8"):
-        raise ValueError(f"fp8_linear: handoff {handoff!r} is unknown; choose bf16 or fp8")
+    if handoff not in GEMM_DTYPES:
+        raise ValueError(f"fp8_linear: handoff {handoff!r} is unknown; choose {' or '.join(GEMM_DTYPES)}")
     if x.shape[-1] != weight.shape[-1]:
         raise ValueError(
             f"fp8_linear: x has {x.shape[-1]} features but weight {tuple(weight.shape)} expects {weight.shape[-1]}"
